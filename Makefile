@@ -1,0 +1,36 @@
+PY ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.installed
+# The editable install maps only the packages that exist when it runs; once
+# celery_leases/__init__.py appears, this marker forces one re-install.
+PKG_MARK := $(if $(wildcard celery_leases/__init__.py),$(VENV)/.has-package)
+DEMO := examples/quickstart/demo.py
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+# Re-install only when the package metadata changes (or the package appears).
+$(STAMP): setup.py $(PKG_MARK)
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -e '.[test]'
+	touch $@
+
+$(VENV)/.has-package:
+	mkdir -p $(VENV)
+	touch $@
+
+test: venv
+	$(VENV)/bin/pytest -q -ra tests/
+
+demo: venv
+	@if [ ! -f $(DEMO) ]; then echo "make demo: $(DEMO) does not exist yet" >&2; exit 1; fi
+	$(VENV)/bin/python $(DEMO)
+
+bench: venv
+	$(VENV)/bin/python bench/store.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

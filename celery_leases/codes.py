@@ -1,0 +1,42 @@
+"""Return codes of the Lua scripts: the only copy (each script's header lists its subset).
+
+``tests/test_scripts_contract.py`` checks every header against this enum.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.IntEnum):
+    #: acquire: a fresh record, or the rightful next owner (recovered message, next retry).
+    ACQUIRED = 1
+    #: acquire: the previous owner's lease had expired; this delivery took it over.
+    TAKEN_OVER = 2
+    #: acquire: another owner holds a live lease; do not run the body.
+    BUSY = 3
+    #: acquire/finish/renew: the record is terminal (succeeded, failed, revoked, dead).
+    FINISHED = 4
+    #: acquire: the message is an older copy (generation or attempt) than the record.
+    STALE = 5
+    #: acquire/recover: the task used up max_recoveries and is now dead.
+    DEAD = 6
+    #: finish/renew/progress: the caller's token or owner is no longer current.
+    LOST = 7
+    #: finish/renew/progress: there is no record for this task id.
+    MISSING = 8
+    #: renew: the task did not report progress within its progress timeout.
+    STALLED = 9
+    #: finish/renew/progress/release: the transition was applied.
+    OK = 10
+    #: recover: the lease was claimed and must now be re-published.
+    RECOVERED = 11
+
+
+#: Lease states, as stored in the record's ``state`` field.
+ACTIVE, RECOVERING = "active", "recovering"
+SUCCEEDED, FAILED, DEAD, REVOKED = "succeeded", "failed", "dead", "revoked"
+TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, DEAD, REVOKED})
+STATES = (ACTIVE, RECOVERING, SUCCEEDED, FAILED, DEAD, REVOKED)
+
+#: Outcomes accepted by ``finish``; ``retry`` hands the lease to the next attempt.
+OUTCOMES = ("succeeded", "failed", "revoked", "retry")

@@ -1,0 +1,64 @@
+"""The one exception hierarchy of celery-leases: everything is a LeaseError.
+
+Free of Celery imports so the store can use it on its own.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable",
+    "CorruptRecord", "ConfigurationError", "StaleFence",
+]
+
+
+class LeaseError(Exception):
+    """Base of every error raised by celery-leases."""
+
+
+class LeaseLost(LeaseError):
+    """Raised when the caller no longer owns the lease it acts under."""
+
+    def __init__(self, task_id: str, token: int | None = None, reason: str = "lost"):
+        self.task_id, self.token, self.reason = task_id, token, reason
+        super().__init__(f"lease of task {task_id} (token {token}) is {reason}")
+
+    def __reduce__(self):
+        return (self.__class__, (self.task_id, self.token, self.reason))
+
+
+class LeaseExpired(LeaseError):
+    """Stored as the failure of a task given up after too many recoveries."""
+
+    def __init__(self, task_id: str = "?", recoveries: int = 0):
+        self.task_id, self.recoveries = task_id, recoveries
+        super().__init__(
+            f"task {task_id} was abandoned by its worker {recoveries} time(s) "
+            f"and reached leases_max_recoveries; it is dead")
+
+    def __reduce__(self):
+        return (self.__class__, (self.task_id, self.recoveries))
+
+
+class LeaseUnavailable(LeaseError):
+    """Raised when the lease store cannot be reached or answers with an error."""
+
+
+class CorruptRecord(LeaseError):
+    """Raised when a key holds something that is not a valid lease record."""
+
+
+class ConfigurationError(LeaseError, ValueError):
+    """Raised when a ``leases_*`` setting or a ``lease_*`` task option is invalid."""
+
+
+class StaleFence(LeaseError):
+    """Raised when a fenced write carries a token older than one already accepted."""
+
+    def __init__(self, resource: str, token: int, current: int | None):
+        self.resource, self.token, self.current = resource, token, current
+        super().__init__(
+            f"fenced write to {resource} with token {token} refused: "
+            f"token {current} was already accepted")
+
+    def __reduce__(self):
+        return (self.__class__, (self.resource, self.token, self.current))
+

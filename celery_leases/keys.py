@@ -1,0 +1,54 @@
+"""Redis key names. Every key of one prefix carries the same hash tag.
+
+All keys share the tag ``{<prefix>}`` so every script touches a single Redis
+Cluster slot (a renew of many leases and a recovery pass over many records are
+then legal on a cluster).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "leases"
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in "{} \n"):
+            raise ValueError(
+                f"leases_key_prefix {self.prefix!r} must be non-empty and contain "
+                "no braces or whitespace")
+
+    @property
+    def tag(self) -> str:
+        return "{" + self.prefix + "}"
+
+    def record(self, task_id: str) -> str:
+        """Hash holding one task's lease record."""
+        return f"{self.tag}:lease:{task_id}"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: task id -> deadline (ms, server clock) of active/recovering leases."""
+        return f"{self.tag}:deadlines"
+
+    @property
+    def sequence(self) -> str:
+        """Counter the fencing tokens are drawn from."""
+        return f"{self.tag}:seq"
+
+    @property
+    def stats(self) -> str:
+        """Hash of lifetime counters (acquired, recovered, refused, ...)."""
+        return f"{self.tag}:stats"
+
+    def fence(self, resource: str) -> str:
+        """Hash guarding one fenced resource (see celery_leases.fencing)."""
+        return f"{self.tag}:fence:{resource}"
+
+    def steps(self, task_id: str) -> str:
+        """Hash of once-only steps completed for a task id."""
+        return f"{self.tag}:steps:{task_id}"
+
+    def record_prefix(self) -> str:
+        return f"{self.tag}:lease:"

@@ -1,0 +1,64 @@
+"""Lua script loader: each ``scripts/<name>.lua`` is loaded once and called by SHA.
+
+The shared ``_prelude.lua`` is prepended to every script. A server that lost
+its script cache (restart, SCRIPT FLUSH, failover) answers NOSCRIPT; the call is
+then repeated once with the full source, which also reloads the cache.
+"""
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+from typing import Any, Sequence
+
+import redis
+from redis.exceptions import NoScriptError
+
+SCRIPT_NAMES = (
+    "acquire", "renew_many", "finish", "claim_expired", "mark_published",
+    "release", "progress", "expired", "fenced_write", "complete_step",
+)
+
+
+def _read(name: str) -> str:
+    return resources.files(__package__).joinpath("scripts", f"{name}.lua").read_text("utf-8")
+
+
+def source(name: str) -> str:
+    """The full source sent to Redis: prelude + the script file."""
+    return _read("_prelude") + "\n" + _read(name)
+
+
+class Script:
+    """One Lua script, called by SHA with a NOSCRIPT fallback to EVAL."""
+
+    __slots__ = ("name", "source", "sha")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = source(name)
+        self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
+
+    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
+
+
+class Scripts:
+    """Every script of the package, read from disk once per process."""
+
+    _cache: "dict[str, Script]" = {}
+
+    def __getattr__(self, name: str) -> Script:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        script = self._cache.get(name)
+        if script is None:
+            if name not in SCRIPT_NAMES:
+                raise AttributeError(f"no Lua script named {name!r}")
+            script = self._cache[name] = Script(name)
+        return script
+
+
+scripts = Scripts()

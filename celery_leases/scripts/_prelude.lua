@@ -1,0 +1,39 @@
+--[[
+  Shared prelude, prepended by celery_leases/scripts.py to every script.
+  Not a script of its own: it defines helpers only.
+
+  now_ms()                   server clock in milliseconds (TIME), never a worker's
+  read(key, fields...)       HMGET as a table keyed by field name
+  num(rec, key, field)       a numeric field or an error naming key and field
+  with_history(old, entry)   the history string with entry appended (last 16 kept)
+]]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function read(key, ...)
+  local names = {...}
+  local values = redis.call('HMGET', key, unpack(names))
+  local rec = {}
+  for i, name in ipairs(names) do rec[name] = values[i] end
+  return rec
+end
+
+local function num(rec, key, field)
+  local v = rec[field]
+  if v == false or v == nil then return 0 end
+  local n = tonumber(v)
+  if n == nil then
+    error({err = 'CORRUPT ' .. key .. ' field ' .. field .. ' is not a number: ' .. tostring(v)})
+  end
+  return n
+end
+
+local function with_history(old, entry)
+  if not old or #old == 0 then return entry end
+  local h = old .. '|' .. entry
+  local _, bars = string.gsub(h, '|', '')
+  if bars >= 16 then h = string.sub(h, string.find(h, '|', 1, true) + 1) end
+  return h
+end

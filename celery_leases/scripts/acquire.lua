@@ -1,0 +1,102 @@
+--[[
+  acquire: make the caller the owner of a task's lease, if it is the rightful owner.
+
+  A delivery is the rightful owner when there is no record yet, when it is the
+  recovered copy (its generation equals the record's while recovering), when it
+  is a later retry attempt than the record's, or when the previous owner's lease
+  has expired and no recovery has claimed it yet (a take-over, counted as a
+  recovery). Older copies of the message are stale.
+
+  Input:
+    KEYS[1] record hash of the task
+    KEYS[2] deadlines sorted set
+    KEYS[3] token sequence counter
+    KEYS[4] stats hash
+    ARGV[1] task id
+    ARGV[2] owner (worker instance id)
+    ARGV[3] ttl in ms
+    ARGV[4] generation carried by the message (0 when none)
+    ARGV[5] attempt carried by the message (Celery's retries)
+    ARGV[6] max recoveries
+    ARGV[7] progress timeout in ms (0: off)
+    ARGV[8] task name
+    ARGV[9] message body ('' keeps the stored one)
+    ARGV[10] message envelope, JSON ('' keeps the stored one)
+    ARGV[11] retention in ms of a record that turns dead here
+
+  Output: {code, token, generation, recoveries, state}
+    ACQUIRED    the caller owns the lease with the new token
+    TAKEN_OVER  the caller owns the lease; the previous owner had expired
+    BUSY        a live owner holds the lease (token is theirs)
+    FINISHED    the record is terminal (state says which)
+    STALE       the message is an older copy than the record
+    DEAD        taking over would pass max recoveries: the record is now dead
+]]
+local key, deadlines, seq, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local task_id, owner = ARGV[1], ARGV[2]
+local ttl = tonumber(ARGV[3])
+local msg_gen, msg_attempt = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_recoveries = tonumber(ARGV[6])
+local progress_timeout = tonumber(ARGV[7])
+
+local now = now_ms()
+local rec = read(key, 'state', 'token', 'deadline', 'generation', 'recoveries', 'attempt', 'history')
+local state = rec.state
+local token = num(rec, key, 'token')
+local generation = num(rec, key, 'generation')
+local recoveries = num(rec, key, 'recoveries')
+local attempt = num(rec, key, 'attempt')
+
+local code = 1 -- ACQUIRED
+if state then
+  if state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
+    return {4, token, generation, recoveries, state}
+  elseif state ~= 'active' and state ~= 'recovering' then
+    error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
+  end
+  if msg_gen < generation or msg_attempt < attempt then
+    redis.call('HINCRBY', stats, 'stale_deliveries', 1)
+    return {5, token, generation, recoveries, state}
+  end
+  if state == 'active' and msg_attempt == attempt and msg_gen == generation then
+    if num(rec, key, 'deadline') > now then
+      redis.call('HINCRBY', stats, 'busy_deliveries', 1)
+      return {3, token, generation, recoveries, state}
+    end
+    -- The owner stopped renewing and no recovery has claimed the lease yet.
+    if recoveries >= max_recoveries then
+      redis.call('HSET', key, 'state', 'dead', 'finished_at', now, 'owner', '')
+      redis.call('HDEL', key, 'body')
+      redis.call('ZREM', deadlines, task_id)
+      redis.call('PEXPIRE', key, tonumber(ARGV[11]))
+      redis.call('HINCRBY', stats, 'dead', 1)
+      return {6, token, generation, recoveries, 'dead'}
+    end
+    recoveries = recoveries + 1
+    code = 2 -- TAKEN_OVER
+  end
+end
+
+local new_token = redis.call('INCR', seq)
+if new_token <= token then
+  new_token = token + 1
+  redis.call('SET', seq, new_token)
+end
+if msg_gen > generation then generation = msg_gen end
+
+local deadline = now + ttl
+local progress_deadline = 0
+if progress_timeout > 0 then progress_deadline = now + progress_timeout end
+redis.call('HSET', key,
+  'task_id', task_id, 'state', 'active', 'token', new_token, 'owner', owner,
+  'deadline', deadline, 'ttl', ttl, 'generation', generation,
+  'recoveries', recoveries, 'attempt', msg_attempt,
+  'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
+  'acquired_at', now, 'name', ARGV[8],
+  'history', with_history(rec.history, new_token .. '@' .. owner .. '@' .. now))
+if ARGV[9] ~= '' then redis.call('HSET', key, 'body', ARGV[9], 'envelope', ARGV[10]) end
+redis.call('PERSIST', key)
+redis.call('ZADD', deadlines, deadline, task_id)
+redis.call('HINCRBY', stats, 'acquired', 1)
+if code == 2 then redis.call('HINCRBY', stats, 'taken_over', 1) end
+return {code, new_token, generation, recoveries, 'active'}

@@ -1,0 +1,64 @@
+--[[
+  claim_expired: claim leases whose deadline passed, for re-publishing.
+
+  Safe to run concurrently: a lease renewed, finished or claimed by another
+  recoverer since the caller listed it is skipped. A claim bumps the
+  generation (older copies of the message become stale) and gives the
+  recoverer a grace period to publish; if it never confirms (mark_published),
+  the next pass claims the lease again without counting another recovery.
+  Past max recoveries the task becomes dead instead.
+
+  Input:
+    KEYS[1] deadlines sorted set
+    KEYS[2] stats hash
+    KEYS[3..n] record hash of each candidate, in the order of the ids below
+    ARGV[1] max recoveries
+    ARGV[2] publish grace in ms
+    ARGV[3] retention in ms of records that turn dead
+    ARGV[4..] task id of the record KEYS[k] (ARGV[k+1] for KEYS[k])
+
+  Output: list of {task id, code, generation, recoveries, name, body, envelope}
+    RECOVERED  claimed: publish body/envelope with this generation, then mark_published
+    DEAD       past max recoveries: the record is now dead (body kept for a dead-letter queue)
+]]
+local deadlines, stats = KEYS[1], KEYS[2]
+local max_recoveries, grace, retention = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+local out = {}
+local recovered, dead = 0, 0
+
+for k = 3, #KEYS do
+  local key, task_id = KEYS[k], ARGV[k + 1]
+  local rec = read(key, 'state', 'deadline', 'generation', 'recoveries', 'name')
+  local state = rec.state
+  if state ~= 'active' and state ~= 'recovering' then
+    -- Finished, expired or missing: the index entry is left over.
+    if not state or state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
+      redis.call('ZREM', deadlines, task_id)
+    else
+      error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
+    end
+  elseif num(rec, key, 'deadline') <= now then
+    local generation = num(rec, key, 'generation') + 1
+    local recoveries = num(rec, key, 'recoveries')
+    local body = redis.call('HMGET', key, 'body', 'envelope')
+    if state == 'active' and recoveries >= max_recoveries then
+      redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
+      redis.call('HDEL', key, 'body')
+      redis.call('ZREM', deadlines, task_id)
+      redis.call('PEXPIRE', key, retention)
+      dead = dead + 1
+      table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+    else
+      if state == 'active' then recoveries = recoveries + 1 end
+      redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
+                 'recoveries', recoveries, 'attempt', 0, 'deadline', now + grace)
+      redis.call('ZADD', deadlines, now + grace, task_id)
+      recovered = recovered + 1
+      table.insert(out, {task_id, 11, generation, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+    end
+  end
+end
+if recovered > 0 then redis.call('HINCRBY', stats, 'recovered', recovered) end
+if dead > 0 then redis.call('HINCRBY', stats, 'dead', dead) end
+return out

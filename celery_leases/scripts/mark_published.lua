@@ -1,0 +1,30 @@
+--[[
+  mark_published: confirm that a claimed lease's message was re-published.
+
+  From then on the broker holds the task: the record leaves the deadline index
+  and waits (for the retention period at most) for the delivery that carries
+  its generation.
+
+  Input:
+    KEYS[1] deadlines sorted set
+    KEYS[2..n] record hash of each lease, in the order of the pairs below
+    ARGV[1] retention in ms
+    ARGV[2k], ARGV[2k+1] task id and generation of the record KEYS[k+1]
+
+  Output: number of records confirmed (OK for each; a record acquired,
+  finished or re-claimed meanwhile is left alone)
+]]
+local deadlines, retention = KEYS[1], tonumber(ARGV[1])
+local confirmed = 0
+for k = 2, #KEYS do
+  local key = KEYS[k]
+  local task_id, generation = ARGV[2 * k - 2], ARGV[2 * k - 1]
+  local v = redis.call('HMGET', key, 'state', 'generation')
+  if v[1] == 'recovering' and v[2] == generation then
+    redis.call('ZREM', deadlines, task_id)
+    redis.call('HSET', key, 'deadline', 0)
+    redis.call('PEXPIRE', key, retention)
+    confirmed = confirmed + 1
+  end
+end
+return confirmed

@@ -1,0 +1,27 @@
+--[[
+  release: give up leases at once (pool child died, warm shutdown) so recovery
+  or a requeued delivery can take them without waiting out the ttl.
+
+  Input:
+    KEYS[1] deadlines sorted set
+    KEYS[2..n] record hash of each lease, in the order of the pairs below
+    ARGV[1] owner (worker instance id)
+    ARGV[2k], ARGV[2k+1] task id and token of the record KEYS[k+1]
+
+  Output: number of leases released (OK for each; leases the caller no longer
+  owns are left alone)
+]]
+local deadlines, owner = KEYS[1], ARGV[1]
+local now = now_ms()
+local released = 0
+for k = 2, #KEYS do
+  local key = KEYS[k]
+  local task_id, token = ARGV[2 * k - 2], tonumber(ARGV[2 * k - 1])
+  local v = redis.call('HMGET', key, 'state', 'token', 'owner')
+  if v[1] == 'active' and tonumber(v[2]) == token and v[3] == owner then
+    redis.call('HSET', key, 'owner', '', 'deadline', now)
+    redis.call('ZADD', deadlines, now, task_id)
+    released = released + 1
+  end
+end
+return released

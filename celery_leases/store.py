@@ -1,0 +1,378 @@
+"""The lease store: every ownership change of a task is one atomic Lua script.
+
+Knows nothing of Celery. The Celery wiring hands it opaque message bodies and
+envelopes to keep for recovery, and a ``publish`` callable to put them back.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .codes import OUTCOMES, Code
+from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
+from .keys import Keys
+from .scripts import Script, scripts
+
+__all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport"]
+
+logger = logging.getLogger("celery_leases.store")
+
+_INT_FIELDS = ("token", "deadline", "ttl", "generation", "recoveries", "attempt",
+               "progress_timeout", "progress_deadline", "acquired_at", "finished_at")
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A snapshot of one task's lease. Times are server-clock milliseconds."""
+
+    task_id: str
+    state: str
+    token: int
+    owner: str
+    deadline: int
+    recoveries: int
+    generation: int = 0
+    attempt: int = 0
+    ttl: int = 0
+    name: str = ""
+    acquired_at: int = 0
+    finished_at: int = 0
+    progress_timeout: int = 0
+    progress_deadline: int = 0
+    #: (token, owner, acquired_at) of the last owners, oldest first.
+    history: tuple = ()
+    has_message: bool = False
+
+    @classmethod
+    def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes]) -> "LeaseRecord":
+        data = {k.decode(): v for k, v in raw.items()}
+        values: dict[str, Any] = {}
+        try:
+            for name in _INT_FIELDS:
+                values[name] = int(data.get(name, b"0") or 0)
+            state = data["state"].decode()
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(f"lease record {key} of task {task_id} is corrupt: {exc!r}") from None
+        history = []
+        for entry in (data.get("history") or b"").decode().split("|"):
+            if entry:
+                token, owner, at = entry.split("@")
+                history.append((int(token), owner, int(at)))
+        return cls(task_id=task_id, state=state, owner=(data.get("owner") or b"").decode(),
+                   name=(data.get("name") or b"").decode(), history=tuple(history),
+                   has_message=bool(data.get("body")), **values)
+
+
+@dataclass(frozen=True)
+class Acquisition:
+    """What ``acquire`` decided for one delivery."""
+
+    code: Code
+    token: int
+    generation: int
+    recoveries: int
+    state: str
+
+    @property
+    def owned(self) -> bool:
+        """True when the caller now owns the lease and may run the task."""
+        return self.code in (Code.ACQUIRED, Code.TAKEN_OVER)
+
+
+@dataclass
+class Claim:
+    """A lease claimed by a recovery pass: its message must be re-published."""
+
+    task_id: str
+    code: Code
+    generation: int
+    recoveries: int
+    name: str
+    body: bytes
+    envelope: dict
+
+
+@dataclass
+class RecoveryReport:
+    """Counts of one recovery pass."""
+
+    recovered: int = 0
+    dead: int = 0
+    publish_failed: int = 0
+    errors: list = field(default_factory=list)
+
+    def __iadd__(self, other: "RecoveryReport") -> "RecoveryReport":
+        self.recovered += other.recovered
+        self.dead += other.dead
+        self.publish_failed += other.publish_failed
+        self.errors.extend(other.errors)
+        return self
+
+    def as_dict(self) -> dict:
+        return {"recovered": self.recovered, "dead": self.dead,
+                "publish_failed": self.publish_failed}
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(round(seconds * 1000)))
+
+
+class LeaseStore:
+    """Leases of one key prefix on one Redis.
+
+    ``ttl``, ``retention`` and ``publish_grace`` are seconds. ``publish`` and
+    ``on_dead`` are what a recovery pass does with a claimed lease; the Celery
+    wiring provides them.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str = "leases", *,
+                 ttl: float = 30.0, retention: float = 86400.0,
+                 max_recoveries: int = 3, publish_grace: float = 60.0,
+                 recover_batch: int = 500,
+                 publish: Callable[[Claim], None] | None = None,
+                 on_dead: Callable[[Claim], None] | None = None,
+                 description: str | None = None) -> None:
+        self.client = client
+        self.keys = Keys(prefix)
+        self.ttl, self.retention = ttl, retention
+        self.max_recoveries, self.publish_grace = max_recoveries, publish_grace
+        self.recover_batch = recover_batch
+        self.publish, self.on_dead = publish, on_dead
+        self.description = description or _describe(client)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> "LeaseStore":
+        return cls(redis.Redis.from_url(url), **kwargs)
+
+    # -- calls ---------------------------------------------------------------
+
+    def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any], what: str) -> Any:
+        """Run a script, turning Redis errors into LeaseErrors that name what failed."""
+        try:
+            return script(self.client, keys, args)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise LeaseUnavailable(
+                f"lease store at {self.description} unreachable during {script.name} "
+                f"({what}): {exc}") from exc
+        except ResponseError as exc:
+            text = str(exc)
+            if "CORRUPT" in text or "WRONGTYPE" in text:
+                raise CorruptRecord(f"{script.name} ({what}): {text}") from exc
+            raise LeaseError(f"{script.name} ({what}) failed on {self.description}: {text}") from exc
+
+    def _read(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise LeaseUnavailable(f"lease store at {self.description} unreachable ({what}): {exc}") from exc
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise CorruptRecord(f"{what}: {exc}") from exc
+            raise LeaseError(f"{what} failed on {self.description}: {exc}") from exc
+
+    # -- transitions ---------------------------------------------------------
+
+    def acquire(self, task_id: str, owner: str, *, ttl: float | None = None,
+                generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
+                progress_timeout: float = 0, name: str = "", body: bytes = b"",
+                envelope: Mapping | None = None) -> Acquisition:
+        """Try to become the owner of ``task_id``'s lease for one delivery of its message."""
+        key = self.keys.record(task_id)
+        code, token, gen, recoveries, state = self._run(
+            scripts.acquire,
+            (key, self.keys.deadlines, self.keys.sequence, self.keys.stats),
+            (task_id, owner, _ms(self.ttl if ttl is None else ttl), int(generation), int(attempt),
+             self.max_recoveries if max_recoveries is None else int(max_recoveries),
+             _ms(progress_timeout), name, body,
+             json.dumps(envelope, separators=(",", ":")) if envelope is not None else "",
+             _ms(self.retention)),
+            f"task {task_id}, key {key}")
+        return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
+
+    def finish(self, task_id: str, owner: str, token: int, outcome: str,
+               *, next_attempt: int = 0) -> None:
+        """Record the owner's outcome; raises LeaseLost when the caller is not the owner."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
+                             f"expected one of {OUTCOMES}")
+        key = self.keys.record(task_id)
+        code, current, state = self._run(
+            scripts.finish, (key, self.keys.deadlines, self.keys.stats),
+            (task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt)),
+            f"task {task_id}, key {key}")
+        _raise_unless_ok(Code(code), task_id, token, state.decode())
+
+    def renew_many(self, owner: str, leases: Mapping[str, int]) -> dict[str, Code]:
+        """Renew every lease ``owner`` holds in one call; returns those not renewed, with why."""
+        if not leases:
+            return {}
+        keys = [self.keys.deadlines, self.keys.stats]
+        args: list[Any] = [owner]
+        for task_id, token in leases.items():
+            keys.append(self.keys.record(task_id))
+            args.append(task_id)
+            args.append(int(token))
+        flat = self._run(scripts.renew_many, keys, args, f"{len(leases)} leases of {owner}")
+        return {flat[i].decode(): Code(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def progress(self, task_id: str, owner: str, token: int) -> None:
+        """Report progress of the running body; raises LeaseLost when no longer the owner."""
+        key = self.keys.record(task_id)
+        (code,) = self._run(scripts.progress, (key, self.keys.deadlines),
+                            (task_id, owner, int(token)), f"task {task_id}, key {key}")
+        _raise_unless_ok(Code(code), task_id, token)
+
+    def release(self, owner: str, leases: Mapping[str, int]) -> int:
+        """Make these leases due now so they are recovered without waiting out the ttl."""
+        if not leases:
+            return 0
+        keys = [self.keys.deadlines]
+        args: list[Any] = [owner]
+        for task_id, token in leases.items():
+            keys.append(self.keys.record(task_id))
+            args += [task_id, int(token)]
+        return int(self._run(scripts.release, keys, args, f"{len(leases)} leases of {owner}"))
+
+    def claim_expired(self, limit: int | None = None) -> list[Claim]:
+        """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua)."""
+        ids = self.expired(limit or self.recover_batch)
+        if not ids:
+            return []
+        keys = [self.keys.deadlines, self.keys.stats] + [self.keys.record(t) for t in ids]
+        rows = self._run(scripts.claim_expired, keys,
+                         [self.max_recoveries, _ms(self.publish_grace), _ms(self.retention), *ids],
+                         f"{len(ids)} expired leases")
+        claims = []
+        for task_id, code, gen, recoveries, name, body, envelope in rows:
+            task_id = task_id.decode()
+            try:
+                env = json.loads(envelope) if envelope else {}
+            except ValueError:
+                raise CorruptRecord(f"lease record {self.keys.record(task_id)} of task {task_id} "
+                                    f"holds an envelope that is not JSON") from None
+            claims.append(Claim(task_id, Code(code), int(gen), int(recoveries),
+                                name.decode(), body, env))
+        return claims
+
+    def mark_published(self, claims: Iterable[Claim]) -> int:
+        """Confirm re-published claims: the broker holds them from now on."""
+        claims = list(claims)
+        if not claims:
+            return 0
+        keys = [self.keys.deadlines] + [self.keys.record(c.task_id) for c in claims]
+        args: list[Any] = [_ms(self.retention)]
+        for c in claims:
+            args += [c.task_id, c.generation]
+        return int(self._run(scripts.mark_published, keys, args, f"{len(claims)} claims"))
+
+    def recover(self, publish: Callable[[Claim], None] | None = None,
+                on_dead: Callable[[Claim], None] | None = None,
+                limit: int | None = None) -> RecoveryReport:
+        """Run one recovery pass: claim expired leases, re-publish them, confirm.
+
+        A publish that raises leaves its claim unconfirmed; the next pass after
+        ``publish_grace`` claims it again. Stops after ``limit`` claims (default:
+        until nothing is due).
+        """
+        publish = publish or self.publish
+        on_dead = on_dead or self.on_dead
+        if publish is None:
+            raise LeaseError("recover() needs a publish callable (celery_leases.store(app) provides one)")
+        report = RecoveryReport()
+        remaining = limit
+        while remaining is None or remaining > 0:
+            batch = self.recover_batch if remaining is None else min(remaining, self.recover_batch)
+            claims = self.claim_expired(batch)
+            if not claims:
+                break
+            published = []
+            for claim in claims:
+                try:
+                    if claim.code is Code.DEAD:
+                        report.dead += 1
+                        if on_dead is not None:
+                            on_dead(claim)
+                    else:
+                        publish(claim)
+                        published.append(claim)
+                        report.recovered += 1
+                except Exception as exc:  # noqa: BLE001 - reported, and retried after the grace period
+                    report.publish_failed += 1
+                    report.errors.append((claim.task_id, exc))
+                    logger.error("recovery of task %s (generation %s) failed, it will be "
+                                 "claimed again after %ss: %r", claim.task_id, claim.generation,
+                                 self.publish_grace, exc, exc_info=True)
+            self.mark_published(published)
+            if remaining is not None:
+                remaining -= len(claims)
+            if len(claims) < batch:
+                break
+        return report
+
+    # -- reads ---------------------------------------------------------------
+
+    def get(self, task_id: str) -> LeaseRecord | None:
+        """The lease record of ``task_id``, or None when there is none."""
+        key = self.keys.record(task_id)
+        raw = self._read(lambda: self.client.hgetall(key), f"reading {key} of task {task_id}")
+        if not raw:
+            return None
+        return LeaseRecord.parse(task_id, key, raw)
+
+    def check(self, task_id: str, owner: str, token: int) -> None:
+        """Raise LeaseLost unless ``owner`` with ``token`` still holds ``task_id``'s lease."""
+        key = self.keys.record(task_id)
+        state, current, current_owner = self._read(
+            lambda: self.client.hmget(key, "state", "token", "owner"),
+            f"reading {key} of task {task_id}")
+        if state is None:
+            raise LeaseLost(task_id, token, "missing")
+        if state != b"active" or int(current) != int(token) or current_owner.decode() != owner:
+            raise LeaseLost(task_id, token, "lost" if state in (b"active", b"recovering") else "finished")
+
+    def active(self, limit: int = 1000) -> list[tuple[str, int]]:
+        """(task id, deadline ms) of leases in the deadline index, soonest first."""
+        rows = self._read(lambda: self.client.zrange(self.keys.deadlines, 0, limit - 1, withscores=True),
+                          f"reading {self.keys.deadlines}")
+        return [(t.decode(), int(s)) for t, s in rows]
+
+    def expired(self, limit: int = 1000) -> list[str]:
+        """Task ids whose deadline passed, by the server clock."""
+        rows = self._run(scripts.expired, (self.keys.deadlines,), (int(limit),), "listing expired leases")
+        return [t.decode() for t in rows[1:]]
+
+    def server_time_ms(self) -> int:
+        seconds, micros = self._read(self.client.time, "reading the server clock")
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def stats(self) -> dict[str, int]:
+        """Lifetime counters of this prefix plus the number of leases in the index."""
+        raw = self._read(lambda: self.client.hgetall(self.keys.stats), f"reading {self.keys.stats}")
+        out = {k.decode(): int(v) for k, v in raw.items()}
+        out["indexed"] = int(self._read(lambda: self.client.zcard(self.keys.deadlines),
+                                        f"reading {self.keys.deadlines}"))
+        return out
+
+
+def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> None:
+    """The one place a refused transition becomes an exception."""
+    if code is Code.OK:
+        return
+    reason = {Code.LOST: "lost", Code.FINISHED: f"already finished ({state})" if state else "finished",
+              Code.MISSING: "missing"}.get(code, code.name.lower())
+    raise LeaseLost(task_id, token, reason)
+
+
+def _describe(client: redis.Redis) -> str:
+    """host:port/db of a client, never its password."""
+    kw = client.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
