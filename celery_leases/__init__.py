@@ -1,15 +1,26 @@
-"""celery-leases: renewable task ownership with fencing tokens for Celery."""
+"""celery-leases: renewable task ownership with fencing tokens for Celery.
+
+    import celery_leases
+    celery_leases.install(app)
+
+    @app.task(base=celery_leases.LeasedTask, bind=True)
+    def charge(self, order_id): ...
+"""
 from __future__ import annotations
 
 from .codes import Code
 from .exceptions import (ConfigurationError, CorruptRecord, LeaseError, LeaseExpired,
                          LeaseLost, LeaseUnavailable, StaleFence)
+from .install import install, store
+from .signals import lease_acquired, lease_dead, lease_lost, lease_recovered, stale_outcome_rejected
 from .store import Acquisition, Claim, LeaseRecord, LeaseStore, RecoveryReport
+from .task import LeasedTask, StaleOutcome
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Code", "LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport",
-    "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable", "CorruptRecord",
-    "ConfigurationError", "StaleFence",
+    "install", "store", "LeasedTask", "Code", "LeaseStore", "LeaseRecord", "Acquisition",
+    "Claim", "RecoveryReport", "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable",
+    "CorruptRecord", "ConfigurationError", "StaleFence", "StaleOutcome",
+    "lease_acquired", "lease_lost", "lease_recovered", "lease_dead", "stale_outcome_rejected",
 ]

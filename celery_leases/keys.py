@@ -42,6 +42,11 @@ class Keys:
         """Hash of lifetime counters (acquired, recovered, refused, ...)."""
         return f"{self.tag}:stats"
 
+    @property
+    def recovery_guard(self) -> str:
+        """String key held by the worker whose turn it is to run a recovery pass."""
+        return f"{self.tag}:recovery-guard"
+
     def fence(self, resource: str) -> str:
         """Hash guarding one fenced resource (see celery_leases.fencing)."""
         return f"{self.tag}:fence:{resource}"

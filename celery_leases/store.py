@@ -63,7 +63,8 @@ class LeaseRecord:
         history = []
         for entry in (data.get("history") or b"").decode().split("|"):
             if entry:
-                token, owner, at = entry.split("@")
+                token, rest = entry.split("@", 1)
+                owner, at = rest.rsplit("@", 1)
                 history.append((int(token), owner, int(at)))
         return cls(task_id=task_id, state=state, owner=(data.get("owner") or b"").decode(),
                    name=(data.get("name") or b"").decode(), history=tuple(history),
@@ -229,12 +230,16 @@ class LeaseStore:
                             (task_id, owner, int(token)), f"task {task_id}, key {key}")
         _raise_unless_ok(Code(code), task_id, token)
 
-    def release(self, owner: str, leases: Mapping[str, int]) -> int:
-        """Make these leases due now so they are recovered without waiting out the ttl."""
+    def release(self, owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
+        """Make these leases due now so they are recovered without waiting out the ttl.
+
+        ``unstarted`` marks leases whose task never ran (a warm shutdown's
+        prefetched messages): taking them over then counts no recovery.
+        """
         if not leases:
             return 0
         keys = [self.keys.deadlines]
-        args: list[Any] = [owner]
+        args: list[Any] = [owner, 1 if unstarted else 0]
         for task_id, token in leases.items():
             keys.append(self.keys.record(task_id))
             args += [task_id, int(token)]
@@ -315,6 +320,12 @@ class LeaseStore:
             if len(claims) < batch:
                 break
         return report
+
+    def try_recovery_turn(self, owner: str, interval: float) -> bool:
+        """True for one caller per ``interval`` across all workers (the fallback recoverer's guard)."""
+        return bool(self._read(
+            lambda: self.client.set(self.keys.recovery_guard, owner, nx=True, px=_ms(interval)),
+            f"setting {self.keys.recovery_guard}"))
 
     # -- reads ---------------------------------------------------------------
 

@@ -5,7 +5,7 @@
   recovered copy (its generation equals the record's while recovering), when it
   is a later retry attempt than the record's, or when the previous owner's lease
   has expired and no recovery has claimed it yet (a take-over, counted as a
-  recovery). Older copies of the message are stale.
+  recovery unless the lease was released unstarted). Older copies of the message are stale.
 
   Input:
     KEYS[1] record hash of the task
@@ -40,7 +40,7 @@ local max_recoveries = tonumber(ARGV[6])
 local progress_timeout = tonumber(ARGV[7])
 
 local now = now_ms()
-local rec = read(key, 'state', 'token', 'deadline', 'generation', 'recoveries', 'attempt', 'history')
+local rec = read(key, 'state', 'token', 'deadline', 'generation', 'recoveries', 'attempt', 'history', 'unstarted')
 local state = rec.state
 local token = num(rec, key, 'token')
 local generation = num(rec, key, 'generation')
@@ -64,16 +64,19 @@ if state then
       return {3, token, generation, recoveries, state}
     end
     -- The owner stopped renewing and no recovery has claimed the lease yet.
-    if recoveries >= max_recoveries then
+    if rec.unstarted == '1' then
+      code = 2
+    elseif recoveries >= max_recoveries then
       redis.call('HSET', key, 'state', 'dead', 'finished_at', now, 'owner', '')
       redis.call('HDEL', key, 'body')
       redis.call('ZREM', deadlines, task_id)
       redis.call('PEXPIRE', key, tonumber(ARGV[11]))
       redis.call('HINCRBY', stats, 'dead', 1)
       return {6, token, generation, recoveries, 'dead'}
+    else
+      recoveries = recoveries + 1
+      code = 2 -- TAKEN_OVER
     end
-    recoveries = recoveries + 1
-    code = 2 -- TAKEN_OVER
   end
 end
 
@@ -92,7 +95,7 @@ redis.call('HSET', key,
   'deadline', deadline, 'ttl', ttl, 'generation', generation,
   'recoveries', recoveries, 'attempt', msg_attempt,
   'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
-  'acquired_at', now, 'name', ARGV[8],
+  'acquired_at', now, 'name', ARGV[8], 'unstarted', '0',
   'history', with_history(rec.history, new_token .. '@' .. owner .. '@' .. now))
 if ARGV[9] ~= '' then redis.call('HSET', key, 'body', ARGV[9], 'envelope', ARGV[10]) end
 redis.call('PERSIST', key)

@@ -5,7 +5,8 @@
   recoverer since the caller listed it is skipped. A claim bumps the
   generation (older copies of the message become stale) and gives the
   recoverer a grace period to publish; if it never confirms (mark_published),
-  the next pass claims the lease again without counting another recovery.
+  the next pass claims the lease again without counting another recovery
+  (nor does a lease released unstarted at a warm shutdown count one).
   Past max recoveries the task becomes dead instead.
 
   Input:
@@ -29,7 +30,7 @@ local recovered, dead = 0, 0
 
 for k = 3, #KEYS do
   local key, task_id = KEYS[k], ARGV[k + 1]
-  local rec = read(key, 'state', 'deadline', 'generation', 'recoveries', 'name')
+  local rec = read(key, 'state', 'deadline', 'generation', 'recoveries', 'name', 'unstarted')
   local state = rec.state
   if state ~= 'active' and state ~= 'recovering' then
     -- Finished, expired or missing: the index entry is left over.
@@ -42,7 +43,8 @@ for k = 3, #KEYS do
     local generation = num(rec, key, 'generation') + 1
     local recoveries = num(rec, key, 'recoveries')
     local body = redis.call('HMGET', key, 'body', 'envelope')
-    if state == 'active' and recoveries >= max_recoveries then
+    local counted = state == 'active' and rec.unstarted ~= '1'
+    if counted and recoveries >= max_recoveries then
       redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
       redis.call('HDEL', key, 'body')
       redis.call('ZREM', deadlines, task_id)
@@ -50,7 +52,7 @@ for k = 3, #KEYS do
       dead = dead + 1
       table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
     else
-      if state == 'active' then recoveries = recoveries + 1 end
+      if counted then recoveries = recoveries + 1 end
       redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
                  'recoveries', recoveries, 'attempt', 0, 'deadline', now + grace)
       redis.call('ZADD', deadlines, now + grace, task_id)

@@ -13,7 +13,7 @@
     KEYS[3] stats hash
     ARGV[1] task id
     ARGV[2] owner (worker instance id)
-    ARGV[3] token of the caller
+    ARGV[3] token of the caller (0 with outcome revoked: forced revoke)
     ARGV[4] outcome: succeeded | failed | revoked | retry
     ARGV[5] retention in ms
     ARGV[6] next attempt (retry only)
@@ -32,10 +32,12 @@ local rec = read(key, 'state', 'token', 'owner')
 if not rec.state then return {8, 0, ''} end
 local current = num(rec, key, 'token')
 if rec.state == 'succeeded' or rec.state == 'failed' or rec.state == 'revoked' or rec.state == 'dead' then
+  if current == token and rec.state == outcome then return {10, current, rec.state} end
   if current ~= token then redis.call('HINCRBY', stats, 'refused', 1) end
   return {4, current, rec.state}
 end
-if rec.state ~= 'active' or current ~= token or rec.owner ~= owner then
+local forced = outcome == 'revoked' and token == 0
+if not forced and (rec.state ~= 'active' or current ~= token or rec.owner ~= owner) then
   redis.call('HINCRBY', stats, 'refused', 1)
   return {7, current, rec.state}
 end
@@ -57,4 +59,4 @@ redis.call('HDEL', key, 'body', 'envelope')
 redis.call('ZREM', deadlines, task_id)
 redis.call('PEXPIRE', key, retention)
 redis.call('HINCRBY', stats, outcome, 1)
-return {10, token, outcome}
+return {10, current, outcome}

@@ -6,20 +6,22 @@
     KEYS[1] deadlines sorted set
     KEYS[2..n] record hash of each lease, in the order of the pairs below
     ARGV[1] owner (worker instance id)
-    ARGV[2k], ARGV[2k+1] task id and token of the record KEYS[k+1]
+    ARGV[2] 1 when the leases never started running (warm shutdown): the next
+            owner then does not count a recovery; 0 otherwise
+    ARGV[2k+1], ARGV[2k+2] task id and token of the record KEYS[k+1]
 
   Output: number of leases released (OK for each; leases the caller no longer
   owns are left alone)
 ]]
-local deadlines, owner = KEYS[1], ARGV[1]
+local deadlines, owner, unstarted = KEYS[1], ARGV[1], ARGV[2]
 local now = now_ms()
 local released = 0
 for k = 2, #KEYS do
   local key = KEYS[k]
-  local task_id, token = ARGV[2 * k - 2], tonumber(ARGV[2 * k - 1])
+  local task_id, token = ARGV[2 * k - 1], tonumber(ARGV[2 * k])
   local v = redis.call('HMGET', key, 'state', 'token', 'owner')
   if v[1] == 'active' and tonumber(v[2]) == token and v[3] == owner then
-    redis.call('HSET', key, 'owner', '', 'deadline', now)
+    redis.call('HSET', key, 'owner', '', 'deadline', now, 'unstarted', unstarted)
     redis.call('ZADD', deadlines, now, task_id)
     released = released + 1
   end

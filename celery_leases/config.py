@@ -1,0 +1,193 @@
+"""Settings, read once per app into one LeaseConfig.
+
+Precedence: task attribute or ``@app.task(lease_ttl=...)`` option > ``app.conf``
+``leases_*`` > default (``defaults.py``). ``app.conf`` lookups honour a
+``config_from_object(..., namespace="CELERY")`` namespace, so Django projects
+write ``CELERY_LEASES_TTL``.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import defaults
+from .exceptions import ConfigurationError
+
+_SCHEMES = ("redis", "rediss", "unix", "redis+socket", "sentinel")
+
+#: Per-task overrides: task attribute name -> LeaseConfig field.
+TASK_OPTIONS = {
+    "lease_ttl": "ttl",
+    "lease_heartbeat_interval": "heartbeat_interval",
+    "lease_max_recoveries": "max_recoveries",
+    "lease_progress_timeout": "progress_timeout",
+    "lease_on_lost": "on_lost",
+}
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    redis_url: str
+    key_prefix: str = defaults.KEY_PREFIX
+    ttl: float = defaults.TTL
+    heartbeat_interval: float = defaults.TTL / 3
+    recovery_interval: float = defaults.RECOVERY_INTERVAL
+    max_recoveries: int = defaults.MAX_RECOVERIES
+    progress_timeout: float | None = defaults.PROGRESS_TIMEOUT
+    retention: float = defaults.RETENTION
+    publish_grace: float = defaults.PUBLISH_GRACE
+    recover_batch: int = defaults.RECOVER_BATCH
+    on_lost: str = defaults.ON_LOST
+    dead_letter_queue: str | None = defaults.DEAD_LETTER_QUEUE
+    unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
+    worker_recovery: bool = defaults.WORKER_RECOVERY
+    beat_schedule: bool = defaults.BEAT_SCHEDULE
+
+    def validate(self, where: str = "leases_") -> "LeaseConfig":
+        """Raise ConfigurationError naming the first invalid setting."""
+        def name(field: str) -> str:
+            return f"{where}{field}"
+
+        for field in ("ttl", "heartbeat_interval", "recovery_interval", "retention",
+                      "publish_grace", "unavailable_retry_delay"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigurationError(f"{name(field)} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_interval >= self.ttl:
+            raise ConfigurationError(
+                f"{name('heartbeat_interval')} ({self.heartbeat_interval}) must be below "
+                f"{name('ttl')} ({self.ttl}); ttl / 3 is a safe choice")
+        if self.progress_timeout is not None and (
+                not isinstance(self.progress_timeout, (int, float)) or self.progress_timeout <= 0):
+            raise ConfigurationError(
+                f"{name('progress_timeout')} must be None or a positive number of seconds, "
+                f"got {self.progress_timeout!r}")
+        for field in ("max_recoveries", "recover_batch"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if field == "max_recoveries" else 1):
+                raise ConfigurationError(f"{name(field)} must be a non-negative integer, got {value!r}")
+        if self.on_lost not in ("flag", "terminate"):
+            raise ConfigurationError(f"{name('on_lost')} must be 'flag' or 'terminate', got {self.on_lost!r}")
+        scheme = urlsplit(self.redis_url or "").scheme
+        if scheme not in _SCHEMES:
+            raise ConfigurationError(
+                f"leases_redis_url must be a Redis URL ({', '.join(s + '://' for s in _SCHEMES)}), "
+                f"got {_redact(self.redis_url)!r}")
+        return self
+
+    def for_task(self, task: Any) -> "LeaseConfig":
+        """This config with the task's ``lease_*`` overrides applied (validated)."""
+        changes = {}
+        for attr, field in TASK_OPTIONS.items():
+            value = getattr(task, attr, None)
+            if value is not None:
+                changes[field] = value
+        if not changes:
+            return self
+        if "ttl" in changes and "heartbeat_interval" not in changes:
+            changes["heartbeat_interval"] = min(self.heartbeat_interval, changes["ttl"] / 3)
+        try:
+            return replace(self, **changes).validate(where=f"task {task.name}: lease_")
+        except ConfigurationError:
+            raise
+
+
+_configs: "weakref.WeakKeyDictionary[Any, LeaseConfig]" = weakref.WeakKeyDictionary()
+
+
+def get_config(app: Any, **overrides: Any) -> LeaseConfig:
+    """The app's LeaseConfig, built and validated on first use."""
+    config = _configs.get(app)
+    if config is None or overrides:
+        config = _configs[app] = build_config(app, **overrides)
+    return config
+
+
+def build_config(app: Any, **overrides: Any) -> LeaseConfig:
+    conf = app.conf
+
+    def setting(field: str, default: Any) -> Any:
+        if field in overrides:
+            return overrides[field]
+        value = conf.get(f"leases_{field}")
+        return default if value is None else value
+
+    ttl = _number(setting("ttl", defaults.TTL), "leases_ttl")
+    interval = setting("heartbeat_interval", None)
+    config = LeaseConfig(
+        redis_url=setting("redis_url", None) or _fallback_url(conf),
+        key_prefix=setting("key_prefix", defaults.KEY_PREFIX),
+        ttl=ttl,
+        heartbeat_interval=(_number(interval, "leases_heartbeat_interval")
+                            if interval is not None else ttl / 3),
+        recovery_interval=_number(setting("recovery_interval", defaults.RECOVERY_INTERVAL),
+                                  "leases_recovery_interval"),
+        max_recoveries=_integer(setting("max_recoveries", defaults.MAX_RECOVERIES),
+                                "leases_max_recoveries"),
+        progress_timeout=(None if setting("progress_timeout", None) is None else
+                          _number(setting("progress_timeout", None), "leases_progress_timeout")),
+        retention=_number(setting("retention", defaults.RETENTION), "leases_retention"),
+        publish_grace=_number(setting("publish_grace", defaults.PUBLISH_GRACE), "leases_publish_grace"),
+        recover_batch=_integer(setting("recover_batch", defaults.RECOVER_BATCH), "leases_recover_batch"),
+        on_lost=setting("on_lost", defaults.ON_LOST),
+        dead_letter_queue=setting("dead_letter_queue", defaults.DEAD_LETTER_QUEUE),
+        unavailable_retry_delay=_number(setting("unavailable_retry_delay", defaults.UNAVAILABLE_RETRY_DELAY),
+                                        "leases_unavailable_retry_delay"),
+        worker_recovery=_boolean(setting("worker_recovery", defaults.WORKER_RECOVERY), "leases_worker_recovery"),
+        beat_schedule=_boolean(setting("beat_schedule", defaults.BEAT_SCHEDULE), "leases_beat_schedule"),
+    )
+    return config.validate()
+
+
+def _fallback_url(conf: Any) -> str:
+    """A Redis broker or result backend URL, when leases_redis_url is not set."""
+    for name in ("broker_url", "result_backend"):
+        url = conf.get(name)
+        if isinstance(url, str) and urlsplit(url).scheme in _SCHEMES:
+            return url
+    raise ConfigurationError(
+        "leases_redis_url is not set and neither broker_url nor result_backend is a Redis URL; "
+        "set leases_redis_url (CELERY_LEASES_REDIS_URL under Django)")
+
+
+def _number(value: Any, name: str) -> float:
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}") from None
+    if result <= 0:
+        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+    return result
+
+
+def _integer(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigurationError(f"{name} must be an integer, got {value!r}")
+    try:
+        result = int(value)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be an integer, got {value!r}") from None
+    if result < 0:
+        raise ConfigurationError(f"{name} must not be negative, got {value!r}")
+    return result
+
+
+def _boolean(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ConfigurationError(f"{name} must be a boolean, got {value!r}")
+
+
+def _redact(url: str | None) -> str:
+    """A URL without its password, for error messages and logs."""
+    if not url:
+        return repr(url)
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return parts._replace(netloc=netloc).geturl()
+    return url

@@ -1,0 +1,31 @@
+"""Default values of every ``leases_*`` setting (documented in docs/configuration.md)."""
+from __future__ import annotations
+
+#: Key prefix of every lease key; one prefix is one independent lease namespace.
+KEY_PREFIX = "leases"
+#: Seconds a lease lives without a heartbeat.
+TTL = 30.0
+#: Seconds between heartbeats; None means ttl / 3.
+HEARTBEAT_INTERVAL = None
+#: Seconds between recovery passes (beat entry and worker fallback).
+RECOVERY_INTERVAL = 5.0
+#: Recoveries allowed before a task is declared dead.
+MAX_RECOVERIES = 3
+#: Seconds a task may go without self.lease.heartbeat(); None disables the check.
+PROGRESS_TIMEOUT = None
+#: Seconds finished records are kept so late duplicate deliveries are recognised.
+RETENTION = 86400.0
+#: Seconds a recovery claim waits for its publish to be confirmed before it is re-claimed.
+PUBLISH_GRACE = 30.0
+#: Leases claimed per recovery script call.
+RECOVER_BATCH = 500
+#: What a worker does with a running task whose lease it learns was lost: "flag" or "terminate".
+ON_LOST = "flag"
+#: Queue that receives the message of a dead task, for inspection; None disables it.
+DEAD_LETTER_QUEUE = None
+#: Seconds before a delivery that could not reach the lease store is tried again.
+UNAVAILABLE_RETRY_DELAY = 5.0
+#: Whether workers run recovery passes themselves (one at a time) so recovery survives beat being down.
+WORKER_RECOVERY = True
+#: Whether install() adds the beat entry for celery_leases.recover.
+BEAT_SCHEDULE = True

@@ -1,0 +1,123 @@
+"""The heartbeat: one thread in the worker's main process renewing every held lease.
+
+One ``renew_many`` call per tick covers all leases the worker holds, whatever
+their number. A thread (not the event loop's timer) because the solo pool
+blocks the loop while a task runs; a CPU-bound prefork child cannot starve it
+either, since it lives in the main process. A failing tick is logged, counted
+and retried on the next one: the thread never dies quietly.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .codes import Code
+from .store import LeaseStore
+
+logger = logging.getLogger("celery_leases.heartbeat")
+
+
+@dataclass
+class Held:
+    """A lease this worker holds."""
+
+    token: int
+    request: Any = None
+    interval: float = 10.0
+    lost: bool = False
+
+
+class Heartbeat:
+    def __init__(self, store: LeaseStore, owner: str, interval: float,
+                 on_lost: Callable[[str, Held, Code], None]) -> None:
+        self.store, self.owner = store, owner
+        self.default_interval = interval
+        self.on_lost = on_lost
+        self.held: dict[str, Held] = {}
+        self.lock = threading.Lock()
+        self.ticks = self.failures = self.consecutive_failures = 0
+        self.last_renewed_at: float | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- registry ---------------------------------------------------------
+
+    def add(self, task_id: str, held: Held) -> None:
+        with self.lock:
+            self.held[task_id] = held
+        if held.interval < self.interval:
+            self._wake.set()
+
+    def forget(self, task_id: str) -> Held | None:
+        with self.lock:
+            return self.held.pop(task_id, None)
+
+    def is_lost(self, task_id: str, token: int) -> bool:
+        held = self.held.get(task_id)
+        return held is None or held.token != token or held.lost
+
+    @property
+    def interval(self) -> float:
+        """The shortest heartbeat interval any held lease asks for."""
+        with self.lock:
+            intervals = [h.interval for h in self.held.values()]
+        return min([self.default_interval, *intervals])
+
+    # -- thread -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="celery-leases-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a bug here must be seen, and the beat go on
+                self.failures += 1
+                logger.exception("lease heartbeat tick failed unexpectedly; retrying next tick")
+
+    def tick(self) -> dict[str, Code]:
+        """Renew every held lease in one call; hand the lost ones to ``on_lost``."""
+        with self.lock:
+            snapshot = {task_id: h.token for task_id, h in self.held.items() if not h.lost}
+        if not snapshot:
+            return {}
+        self.ticks += 1
+        try:
+            not_renewed = self.store.renew_many(self.owner, snapshot)
+        except Exception as exc:  # noqa: BLE001 - counted, logged, retried next tick
+            self.failures += 1
+            self.consecutive_failures += 1
+            logger.error("lease heartbeat could not renew %d lease(s) (%d failure(s) in a row): %s",
+                         len(snapshot), self.consecutive_failures, exc)
+            return {}
+        if self.consecutive_failures:
+            logger.warning("lease heartbeat recovered after %d failed tick(s)", self.consecutive_failures)
+        self.consecutive_failures = 0
+        self.last_renewed_at = time.monotonic()
+        for task_id, code in not_renewed.items():
+            if code is Code.FINISHED:
+                self.forget(task_id)
+                continue
+            with self.lock:
+                held = self.held.get(task_id)
+                if held is None or held.token != snapshot[task_id]:
+                    continue
+                held.lost = True
+            self.on_lost(task_id, held, code)
+        return not_renewed

@@ -1,0 +1,62 @@
+"""install(app): the one call that wires celery-leases into an existing Celery app."""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import get_config
+from .store import LeaseStore
+
+RECOVER_TASK_NAME = "celery_leases.recover"
+
+
+def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
+    """Add the worker bootstep, the signal hooks, the recovery task and its beat entry.
+
+    ``settings`` are ``leases_*`` settings without the prefix (``ttl=10``),
+    written into ``app.conf``. ``all_tasks=True`` makes every task defined on
+    ``app`` after this call a LeasedTask (tasks defined before keep their class;
+    for those use ``base=LeasedTask`` or ``Celery(task_cls=...)``).
+    """
+    from . import worker  # noqa: F401 - connects the task_received / worker_shutdown hooks
+    from .task import LeasedTask
+    from .worker import LeaseStep
+
+    if getattr(app, "_celery_leases_installed", False):
+        return app
+    if settings:
+        app.conf.update({f"leases_{key}": value for key, value in settings.items()})
+    if app.configured:
+        get_config(app, **{})  # validate now: a broken setting fails here, named
+    app.steps["worker"].add(LeaseStep)
+    if all_tasks:
+        base = app.Task
+        if not issubclass(base, LeasedTask):
+            app.Task = type("LeasedAppTask", (LeasedTask, base), {"__module__": __name__})
+
+    @app.task(name=RECOVER_TASK_NAME, shared=False, ignore_result=True)
+    def recover() -> dict:
+        """One recovery pass (skipped when another recoverer ran one within the interval)."""
+        config = get_config(app)
+        store_ = store(app)
+        if not store_.try_recovery_turn("beat", config.recovery_interval * 0.9):
+            return {"skipped": True}
+        return store_.recover().as_dict()
+
+    def add_beat_entry(*args: Any, **kwargs: Any) -> None:
+        config = get_config(app)
+        if config.beat_schedule:
+            app.add_periodic_task(config.recovery_interval, app.signature(RECOVER_TASK_NAME),
+                                  name=RECOVER_TASK_NAME)
+
+    if app.configured:
+        add_beat_entry()
+    else:
+        app.on_after_configure.connect(add_beat_entry, weak=False)
+    app._celery_leases_installed = True
+    return app
+
+
+def store(app: Any) -> LeaseStore:
+    """The lease store of ``app`` in this process; ``.recover()`` re-publishes through the app."""
+    from .runtime import get_store
+    return get_store(app)

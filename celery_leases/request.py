@@ -1,0 +1,141 @@
+"""LeasedRequest: the worker main process's side of a leased task.
+
+Celery writes some outcomes from the main process (a lost pool child, a hard
+time limit, a revoke). Each is fenced here by the lease token the main process
+got at receipt. Celery's strategy subclasses the task's Request class per
+task (``create_request_cls``) and overrides ``on_success`` there, so the
+override below is re-attached to each generated subclass.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from .exceptions import LeaseLost, LeaseUnavailable
+from .runtime import get_worker
+from .signals import stale_outcome_rejected
+
+logger = logging.getLogger("celery_leases.worker")
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+
+
+class LeasedRequest(Request):
+    """Request class of LeasedTask (``Task.Request``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        generated = cls.__dict__.get("on_success")
+        if generated is not None:
+            def on_success(self, failed__retval__runtime, _generated=generated, **kw):
+                try:
+                    return _generated(self, failed__retval__runtime, **kw)
+                finally:
+                    self._lease_done()
+            cls.on_success = on_success
+
+    # -- helpers ---------------------------------------------------------------
+
+    @property
+    def lease_token(self) -> int | None:
+        return self._request_dict.get("lease_token")
+
+    def _lease_done(self) -> None:
+        """The request ended: the heartbeat stops renewing its lease."""
+        worker = get_worker(self._app)
+        if worker is not None:
+            worker.forget(self.id)
+
+    def _lease_finish(self, outcome: str, token: int | None) -> bool:
+        """Record a main-process outcome; False when it must not be written."""
+        worker = get_worker(self._app)
+        if worker is None or token is None:
+            return True
+        try:
+            worker.store.finish(self.id, self._request_dict["lease_owner"], token, outcome)
+            return True
+        except (LeaseLost, LeaseUnavailable) as exc:
+            reason = getattr(exc, "reason", str(exc))
+            logger.warning("task %s[%s]: %s outcome of token %s refused: lease %s",
+                           self.name, self.id, outcome, token, reason)
+            stale_outcome_rejected.send(sender=self.task, task_id=self.id, token=token,
+                                        outcome=outcome, reason=reason)
+            return False
+
+    def _lease_settle_message(self, requeue: bool = False) -> None:
+        if self.task.acks_late:
+            if requeue:
+                self.reject(requeue=True)
+            else:
+                self.acknowledge()
+
+    # -- Celery callbacks (main process) ---------------------------------------
+
+    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
+        try:
+            return super().on_success(failed__retval__runtime, **kwargs)
+        finally:
+            self._lease_done()
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+        token = self.lease_token
+        worker = get_worker(self._app)
+        if token is None or worker is None:
+            return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        worker.forget(self.id)
+        exc = _unwrap(exc_info.exception)
+        lost_child = isinstance(exc, WorkerLostError) or (
+            isinstance(exc, (SystemExit, KeyboardInterrupt))
+            and not (self._already_cancelled or self._already_revoked))
+        if lost_child:
+            # A recovery case, not a failure: waiters keep waiting for the re-run.
+            released = worker.release({self.id: token})
+            logger.warning("task %s[%s]: pool process lost (%r); lease %s for recovery, "
+                           "no FAILURE stored", self.name, self.id, exc,
+                           "released" if released else "was no longer held")
+            task_ready(self)
+            self._lease_settle_message(requeue=self.task.reject_on_worker_lost)
+            return None
+        if (not return_ok or isinstance(exc, TimeLimitExceeded)) and not self._lease_finish("failed", token):
+            task_ready(self)
+            self._lease_settle_message()
+            return None
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
+        token = self.lease_token
+        if soft or token is None or get_worker(self._app) is None:
+            return super().on_timeout(soft, timeout)
+        get_worker(self._app).forget(self.id)
+        if not self._lease_finish("failed", token):
+            task_ready(self)
+            if self.task.acks_late:
+                if self.task.acks_on_timeout:
+                    self.acknowledge()
+                else:
+                    self.reject(requeue=True)
+            return None
+        return super().on_timeout(soft, timeout)
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> Any:
+        worker = get_worker(self._app)
+        if worker is not None and getattr(self.task, "leased", False):
+            worker.forget(self.id)
+            token = self.lease_token
+            if token is not None:
+                accepted = self._lease_finish("revoked", token)
+            else:
+                accepted = worker.revoke_unowned(self.id, expired=expired)
+            if not accepted:
+                task_ready(self)
+                self.acknowledge()
+                self._already_revoked = True
+                return None
+        return super()._announce_revoked(reason, terminated, signum, expired)

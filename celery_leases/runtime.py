@@ -1,0 +1,58 @@
+"""Per-app, per-process objects: the LeaseStore and the worker's lease registry.
+
+A prefork child inherits the parent's memory; every cache here is keyed by
+process id so a child builds its own Redis connections and never sees the
+main process's registry.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from .config import LeaseConfig, get_config
+from .store import LeaseStore
+
+if TYPE_CHECKING:
+    from .worker import LeaseWorker
+
+_stores: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseStore]]" = weakref.WeakKeyDictionary()
+_workers: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseWorker]]" = weakref.WeakKeyDictionary()
+
+
+def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
+    client = redis.Redis.from_url(config.redis_url, socket_timeout=max(2.0, config.ttl / 3),
+                                  socket_connect_timeout=max(2.0, config.ttl / 3),
+                                  health_check_interval=30)
+    return LeaseStore(client, config.key_prefix, ttl=config.ttl, retention=config.retention,
+                      max_recoveries=config.max_recoveries, publish_grace=config.publish_grace,
+                      recover_batch=config.recover_batch, **kwargs)
+
+
+def get_store(app: Any) -> LeaseStore:
+    """This process's LeaseStore for ``app`` (with the app's recovery publisher bound)."""
+    pid = os.getpid()
+    entry = _stores.get(app)
+    if entry is None or entry[0] != pid:
+        from .recovery import Recoverer
+        recoverer = Recoverer(app)
+        store = make_store(get_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead)
+        _stores[app] = entry = (pid, store)
+    return entry[1]
+
+
+def set_worker(app: Any, worker: "LeaseWorker | None") -> None:
+    if worker is None:
+        _workers.pop(app, None)
+    else:
+        _workers[app] = (os.getpid(), worker)
+
+
+def get_worker(app: Any) -> "LeaseWorker | None":
+    """The LeaseWorker of this process (the worker's main process), else None."""
+    entry = _workers.get(app)
+    if entry is None or entry[0] != os.getpid():
+        return None
+    return entry[1]

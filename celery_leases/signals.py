@@ -1,0 +1,18 @@
+"""Signals sent by celery-leases (celery.utils.dispatch.Signal).
+
+Receivers cannot veto anything: like Celery's own signals, their errors are
+logged and swallowed.
+"""
+from celery.utils.dispatch import Signal
+
+#: Sent in the worker's main process when a delivery became the lease owner.
+lease_acquired = Signal(name="lease_acquired", providing_args={"task_id", "token", "owner", "taken_over"})
+#: Sent in the worker's main process when a heartbeat learns a held lease was lost.
+lease_lost = Signal(name="lease_lost", providing_args={"task_id", "token", "reason"})
+#: Sent by the recoverer for each task it re-published.
+lease_recovered = Signal(name="lease_recovered", providing_args={"task_id", "generation", "recoveries"})
+#: Sent by the recoverer (or a worker) when a task used up its recoveries and is dead.
+lease_dead = Signal(name="lease_dead", providing_args={"task_id", "recoveries"})
+#: Sent wherever a stale owner's outcome was refused.
+stale_outcome_rejected = Signal(name="stale_outcome_rejected",
+                                providing_args={"task_id", "token", "outcome", "reason"})

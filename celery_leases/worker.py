@@ -1,0 +1,283 @@
+"""Worker wiring: the bootstep, the acquire at receipt, and the shutdown hooks.
+
+Protocol decisions live in the store and its scripts; this module only decides
+*when* to call them:
+
+- acquire when the worker receives the message (``task_received``, main
+  process), so prefetched and ETA-held messages are covered too, and the main
+  process knows the token it must fence its own writes with;
+- renew from the heartbeat thread;
+- release at once when a pool child dies or the worker shuts down warmly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal as _signal
+import socket
+import threading
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery import bootsteps
+from celery.signals import task_received, worker_shutdown
+
+from .codes import Code
+from .config import LeaseConfig, get_config
+from .exceptions import LeaseError, LeaseUnavailable
+from .heartbeat import Heartbeat, Held
+from .runtime import get_store, get_worker, set_worker
+from .signals import lease_acquired, lease_lost
+
+logger = logging.getLogger("celery_leases.worker")
+
+
+def envelope_of(message: Any) -> dict:
+    """What recovery needs to re-publish a message exactly: routing, headers, properties."""
+    info = message.delivery_info or {}
+    props = dict(message.properties or {})
+    props.pop("delivery_info", None)
+    props.pop("body_encoding", None)
+    props.pop("delivery_tag", None)
+    return {
+        "exchange": info.get("exchange") or "",
+        "routing_key": info.get("routing_key") or "",
+        "priority": info.get("priority", props.get("priority")),
+        "headers": message.headers or {},
+        "properties": props,
+        "content_type": message.content_type,
+        "content_encoding": message.content_encoding,
+    }
+
+
+class LeaseWorker:
+    """The leases of one worker process: acquire, heartbeat, release, fallback recovery."""
+
+    def __init__(self, app: Any, config: LeaseConfig, pool: Any = None, hostname: str | None = None) -> None:
+        self.app, self.config, self.pool = app, config, pool
+        self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.store = get_store(app)
+        self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost)
+        self._task_configs: dict[str, LeaseConfig] = {}
+        self._stop = threading.Event()
+        self._recovery_thread: threading.Thread | None = None
+        self.recovery_passes = 0
+
+    # -- lifecycle --------------------------------------------------------
+
+    def start(self) -> None:
+        # Fail at worker start, naming the URL's setting, when Redis is not there.
+        try:
+            self.store.server_time_ms()
+        except LeaseUnavailable as exc:
+            raise LeaseUnavailable(f"leases_redis_url: {exc}") from exc
+        self.heartbeat.start()
+        if self.config.worker_recovery:
+            self._recovery_thread = threading.Thread(
+                target=self._recovery_loop, name="celery-leases-recovery", daemon=True)
+            self._recovery_thread.start()
+        logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
+                    self.owner, self.config.heartbeat_interval, self.config.ttl)
+
+    def stop(self, unstarted: bool) -> None:
+        """Release what is still held and stop the threads."""
+        self._stop.set()
+        with self.heartbeat.lock:
+            leases = {task_id: h.token for task_id, h in self.heartbeat.held.items() if not h.lost}
+        if leases:
+            try:
+                n = self.store.release(self.owner, leases, unstarted=unstarted)
+                logger.info("celery-leases: released %d lease(s) at shutdown", n)
+            except LeaseError as exc:
+                logger.error("celery-leases: could not release %d lease(s) at shutdown; they will "
+                             "be recovered after their ttl: %s", len(leases), exc)
+        self.heartbeat.stop()
+
+    # -- acquire at receipt -------------------------------------------------
+
+    def task_config(self, task: Any) -> LeaseConfig:
+        config = self._task_configs.get(task.name)
+        if config is None:
+            config = self._task_configs[task.name] = self.config.for_task(task)
+        return config
+
+    def on_received(self, request: Any) -> None:
+        task = request.task
+        config = self.task_config(task)
+        message = request.message
+        request_dict = request.request_dict
+        generation = int((message.headers or {}).get("lease_generation") or 0)
+        try:
+            acq = self.store.acquire(
+                request.id, self.owner, ttl=config.ttl, generation=generation,
+                attempt=int(request_dict.get("retries") or 0),
+                max_recoveries=config.max_recoveries,
+                progress_timeout=config.progress_timeout or 0, name=task.name,
+                body=message.body, envelope=envelope_of(message))
+        except LeaseUnavailable as exc:
+            self._requeue_later(request, exc)
+            return
+        except LeaseError as exc:
+            logger.error("task %s[%s]: lease acquire failed, not run: %s", task.name, request.id, exc)
+            request_dict["lease_skip"] = f"lease acquire failed: {exc}"
+            self._requeue_later(request, exc)
+            return
+        if acq.owned:
+            request_dict["lease_token"] = acq.token
+            request_dict["lease_owner"] = self.owner
+            request_dict["lease_generation"] = acq.generation
+            self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval))
+            lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
+                                taken_over=acq.code is Code.TAKEN_OVER)
+            return
+        reason = {Code.BUSY: f"another worker holds a live lease (token {acq.token})",
+                  Code.FINISHED: f"the task already finished ({acq.state})",
+                  Code.STALE: f"stale copy of the message (generation {generation}, "
+                              f"current {acq.generation})",
+                  Code.DEAD: f"the task used up its {config.max_recoveries} recoveries"}[acq.code]
+        logger.info("task %s[%s]: delivery not run: %s", task.name, request.id, reason)
+        request_dict["lease_skip"] = reason
+        if acq.code is Code.DEAD:
+            from .recovery import Recoverer
+            Recoverer(self.app).mark_dead(request.id, acq.recoveries, message.body,
+                                          envelope_of(message))
+
+    def _requeue_later(self, request: Any, exc: Exception) -> None:
+        """The store is unreachable: never run without a lease; publish a delayed copy instead."""
+        delay = self.config.unavailable_retry_delay
+        request.request_dict["lease_skip"] = f"lease store unreachable, re-queued in {delay}s"
+        message = request.message
+        env = envelope_of(message)
+        headers = dict(env["headers"])
+        headers["eta"] = (datetime.now(timezone.utc) + timedelta(seconds=delay)).isoformat()
+        try:
+            from .recovery import publish_raw
+            publish_raw(self.app, message.body, env, headers)
+            logger.warning("task %s[%s]: lease store unreachable (%s); message re-queued to run in %ss",
+                           request.task.name, request.id, exc, delay)
+        except Exception as publish_exc:  # noqa: BLE001 - the message must not be lost quietly
+            request.request_dict["lease_skip"] = None
+            request.request_dict["lease_unavailable"] = f"{exc}; re-queue failed: {publish_exc!r}"
+            logger.error("task %s[%s]: lease store unreachable and the delayed copy could not be "
+                         "published: %r", request.task.name, request.id, publish_exc)
+
+    # -- heartbeat hooks --------------------------------------------------
+
+    def forget(self, task_id: str) -> None:
+        self.heartbeat.forget(task_id)
+
+    def is_lost(self, task_id: str, token: int) -> bool:
+        return self.heartbeat.is_lost(task_id, token)
+
+    def release(self, leases: dict, unstarted: bool = False) -> int:
+        for task_id in leases:
+            self.heartbeat.forget(task_id)
+        try:
+            return self.store.release(self.owner, leases, unstarted=unstarted)
+        except LeaseError as exc:
+            logger.error("could not release lease(s) %s; recovery will take them after the ttl: %s",
+                         ", ".join(leases), exc)
+            return 0
+
+    def revoke_unowned(self, task_id: str, expired: bool) -> bool:
+        """A revoked or expired delivery this worker does not own; True to write REVOKED."""
+        try:
+            record = self.store.get(task_id)
+            if record is None:
+                return True
+            if expired and record.state == "active":
+                # Another owner started it before it expired: its outcome stands.
+                return False
+            self.store.finish(task_id, "", 0, "revoked")
+            return True
+        except LeaseError as exc:
+            logger.info("task %s: revoke not applied to its lease: %s", task_id, exc)
+            return record is None or record.state != "active"
+
+    def _on_lost(self, task_id: str, held: Held, code: Code) -> None:
+        reason = {Code.STALLED: "no progress within the progress timeout",
+                  Code.LOST: "taken over by another owner", Code.MISSING: "record missing"}.get(code, code.name)
+        logger.warning("task %s: lease (token %s) lost: %s", task_id, held.token, reason)
+        lease_lost.send(sender=self.app, task_id=task_id, token=held.token, reason=reason)
+        request = held.request
+        config = self.task_config(request.task) if request is not None else self.config
+        if config.on_lost == "terminate" and request is not None:
+            pid = getattr(request, "worker_pid", None)
+            if pid and pid != os.getpid():
+                logger.warning("task %s: terminating pool process %s (leases_on_lost='terminate')", task_id, pid)
+                try:
+                    os.kill(pid, _signal.SIGTERM)
+                except OSError as exc:
+                    logger.error("task %s: could not terminate pool process %s: %s", task_id, pid, exc)
+            else:
+                logger.warning("task %s: cannot terminate a task running in the worker's own process "
+                               "(threads/solo pool); it is only flagged lost", task_id)
+
+    # -- fallback recovery ------------------------------------------------
+
+    def _recovery_loop(self) -> None:
+        """Recovery without beat: each interval, the one worker that wins the guard runs a pass."""
+        interval = self.config.recovery_interval
+        while not self._stop.wait(interval):
+            try:
+                if self.store.try_recovery_turn(self.owner, interval):
+                    report = self.store.recover()
+                    self.recovery_passes += 1
+                    if report.recovered or report.dead:
+                        logger.info("celery-leases: recovery pass: %s", report.as_dict())
+            except Exception:  # noqa: BLE001 - logged; the next interval tries again
+                logger.exception("celery-leases: fallback recovery pass failed; retrying next interval")
+
+
+class LeaseStep(bootsteps.StartStopStep):
+    """Worker bootstep: builds the LeaseWorker and starts its heartbeat."""
+
+    label = "Leases"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        super().__init__(w, **kwargs)
+        self.lease_worker: LeaseWorker | None = None
+
+    def create(self, w: Any) -> "LeaseStep":
+        config = get_config(w.app)
+        self.lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname)
+        set_worker(w.app, self.lease_worker)
+        return self
+
+    def start(self, w: Any) -> None:
+        assert self.lease_worker is not None
+        self.lease_worker.start()
+
+    def stop(self, w: Any) -> None:
+        # Warm shutdown: running tasks are still finishing in the pool, so the
+        # heartbeat keeps going; worker_shutdown (after the pool) releases the rest.
+        pass
+
+    def terminate(self, w: Any) -> None:
+        if self.lease_worker is not None:
+            self.lease_worker.stop(unstarted=False)
+
+
+@task_received.connect
+def _on_task_received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    task = getattr(request, "task", None)
+    if task is None or not getattr(task, "leased", False):
+        return
+    worker = get_worker(task.app)
+    if worker is not None:
+        worker.on_received(request)
+
+
+@worker_shutdown.connect
+def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
+    app = getattr(sender, "app", None)
+    worker = get_worker(app) if app is not None else None
+    if worker is not None:
+        # The pool has finished: whatever is still held never started.
+        worker.stop(unstarted=True)
+        set_worker(app, None)
+
+
+__all__ = ["LeaseStep", "LeaseWorker", "envelope_of"]
