@@ -198,15 +198,20 @@ class LeaseStore:
         return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
-               *, next_attempt: int = 0) -> None:
-        """Record the owner's outcome; raises LeaseLost when the caller is not the owner."""
+               *, next_attempt: int = 0, retry_grace: float | None = None) -> None:
+        """Record the owner's outcome; raises LeaseLost when the caller is not the owner.
+
+        ``retry`` hands the lease to attempt ``next_attempt``, which must acquire
+        within ``retry_grace`` seconds (default: publish_grace) or be recovered.
+        """
         if outcome not in OUTCOMES:
             raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
                              f"expected one of {OUTCOMES}")
         key = self.keys.record(task_id)
         code, current, state = self._run(
             scripts.finish, (key, self.keys.deadlines, self.keys.stats),
-            (task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt)),
+            (task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
+             _ms(self.publish_grace if retry_grace is None else retry_grace)),
             f"task {task_id}, key {key}")
         _raise_unless_ok(Code(code), task_id, token, state.decode())
 

@@ -95,7 +95,8 @@ class LeasedTask(Task):
         try:
             retval = super().__call__(*args, **kwargs)
         except Retry:
-            self._finish(lease, "retry", next_attempt=(request.retries or 0) + 1)
+            if not request.__dict__.get("_lease_handed_over"):
+                self._finish(lease, "retry", next_attempt=(request.retries or 0) + 1)
             raise
         except Reject as exc:
             if exc.requeue:
@@ -114,11 +115,13 @@ class LeasedTask(Task):
         self._finish(lease, "succeeded")
         return retval
 
-    def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0) -> None:
+    def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,
+                retry_grace: float | None = None) -> None:
         """Record the outcome, or raise StaleOutcome so nothing of it leaves the worker."""
         try:
             self._store_call(lambda: lease.store.finish(lease.task_id, lease.owner, lease.token,
-                                                        outcome, next_attempt=next_attempt), lease)
+                                                        outcome, next_attempt=next_attempt,
+                                                        retry_grace=retry_grace), lease)
         except LeaseLost as exc:
             lease._lost = True
             refuse(self, lease.task_id, lease.token, outcome, exc.reason)
@@ -133,6 +136,32 @@ class LeasedTask(Task):
                 return fn()
             except LeaseUnavailable as exc:
                 raise LeaseLost(lease.task_id, lease.token, f"unconfirmed, store unreachable: {exc}")
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
+              eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
+        """Hand the lease to the next attempt *before* it is published.
+
+        A stale owner is refused here and publishes nothing; the next attempt
+        finds the lease waiting for it, and if the publish fails the stored
+        message is recovered after the countdown plus ``leases_publish_grace``.
+        """
+        request = self.request
+        lease = self.lease
+        limit = self.max_retries if max_retries is None else max_retries
+        will_retry = limit is None or (request.retries or 0) + 1 <= limit
+        if (will_retry and lease.held and not request.is_eager
+                and not request.__dict__.get("_lease_handed_over")):
+            delay = countdown if countdown is not None else (
+                0 if eta is not None else (self.default_retry_delay or 0))
+            if eta is not None:
+                from datetime import datetime, timezone
+                delay = max(0.0, (eta - datetime.now(eta.tzinfo or timezone.utc)).total_seconds())
+            config = get_config(self.app)
+            self._finish(lease, "retry", next_attempt=(request.retries or 0) + 1,
+                         retry_grace=float(delay) + config.publish_grace)
+            request._lease_handed_over = True
+        return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                             countdown=countdown, max_retries=max_retries, **options)
 
     def signature_from_request(self, request: Any = None, *args: Any, **kwargs: Any):
         """Retries carry the lease generation, so the next attempt is not taken for a stale copy."""

@@ -48,3 +48,50 @@ def redis_client(redis_server_url: str) -> Iterator[redis.Redis]:
 def key_prefix() -> str:
     """A key prefix unique to this test, so tests share one server safely."""
     return f"t{uuid4().hex[:10]}"
+
+
+# -- real Celery workers ------------------------------------------------------
+
+
+@pytest.fixture
+def celery_env(redis_server_url: str, key_prefix: str) -> dict:
+    """Environment for tests/apps/leased_app.py: this test's broker, backend, prefix and queue."""
+    return {"LEASES_TEST_BROKER": redis_server_url, "LEASES_TEST_PREFIX": key_prefix,
+            "LEASES_TEST_TTL": "2", "LEASES_TEST_RECOVERY_INTERVAL": "1"}
+
+
+@pytest.fixture
+def client_app(celery_env: dict):
+    """The test's own Celery app (same settings as its workers) for sending and waiting."""
+    from tests.apps.leased_app import create_app
+    app = create_app(celery_env)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def start_worker(celery_env: dict, tmp_path):
+    """Factory: start_worker("a", pool="threads", LEASES_TEST_TTL="1") -> a ready Worker."""
+    from tests.workers import Worker
+    started: list = []
+
+    def start(name: str, pool: str = "prefork", concurrency: int = 2, **env: str):
+        worker = Worker(name, {**celery_env, **env}, pool=pool, concurrency=concurrency, log_dir=tmp_path)
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in started:
+        worker.kill()
+
+
+@pytest.fixture
+def history(redis_client, key_prefix):
+    """Execution events the test app's tasks recorded: list of (event, task_id, pid, fields)."""
+    def read() -> list:
+        out = []
+        for raw in redis_client.lrange(f"{key_prefix}:history", 0, -1):
+            event, task_id, pid, *fields = raw.decode().split("|")
+            out.append((event, task_id, int(pid), dict(f.split("=", 1) for f in fields)))
+        return out
+    return read

@@ -17,6 +17,7 @@
     ARGV[4] outcome: succeeded | failed | revoked | retry
     ARGV[5] retention in ms
     ARGV[6] next attempt (retry only)
+    ARGV[7] ms to wait for the next attempt before recovery steps in (retry only)
 
   Output: {code, token, state}
     OK        the outcome was accepted
@@ -44,10 +45,10 @@ end
 
 local now = now_ms()
 if outcome == 'retry' then
+  local deadline = now + tonumber(ARGV[7])
   redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'attempt', tonumber(ARGV[6]),
-             'deadline', 0)
-  redis.call('ZREM', deadlines, task_id)
-  redis.call('PEXPIRE', key, retention)
+             'deadline', deadline)
+  redis.call('ZADD', deadlines, deadline, task_id)
   redis.call('HINCRBY', stats, 'retried', 1)
   return {10, token, 'recovering'}
 end

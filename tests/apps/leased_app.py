@@ -1,13 +1,19 @@
 """A Celery app for integration tests, configured from the environment.
 
+Workers import ``app`` (built from os.environ); tests build their own client
+with ``create_app(env)`` using the same keys, so each test has its own key
+prefix and queue:
+
 LEASES_TEST_BROKER / LEASES_TEST_BACKEND / LEASES_TEST_LEASES_URL: URLs;
-LEASES_TEST_PREFIX: key prefix (also the queue name, so tests never share queues);
-LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE: lease ttl and acks_late.
+LEASES_TEST_PREFIX: key prefix (also the queue name);
+LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, ...: see create_app.
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
+from typing import Mapping
 
 import redis
 from celery import Celery
@@ -15,112 +21,115 @@ from celery import Celery
 import celery_leases
 from celery_leases import LeasedTask
 
-env = os.environ.get
-prefix = env("LEASES_TEST_PREFIX", "leases-test")
-app = Celery("leased_app", broker=env("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/0"),
-             backend=env("LEASES_TEST_BACKEND", env("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/0")))
-app.conf.update(
-    task_default_queue=prefix,
-    leases_redis_url=env("LEASES_TEST_LEASES_URL", env("LEASES_TEST_BROKER")),
-    leases_key_prefix=prefix,
-    leases_ttl=float(env("LEASES_TEST_TTL", "2")),
-    leases_recovery_interval=float(env("LEASES_TEST_RECOVERY_INTERVAL", "1")),
-    leases_max_recoveries=int(env("LEASES_TEST_MAX_RECOVERIES", "3")),
-    leases_worker_recovery=env("LEASES_TEST_WORKER_RECOVERY", "0") == "1",
-    leases_on_lost=env("LEASES_TEST_ON_LOST", "flag"),
-    task_acks_late=env("LEASES_TEST_ACKS_LATE", "0") == "1",
-    task_reject_on_worker_lost=env("LEASES_TEST_ACKS_LATE", "0") == "1",
-    worker_prefetch_multiplier=int(env("LEASES_TEST_PREFETCH", "1")),
-    broker_transport_options={"visibility_timeout": float(env("LEASES_TEST_VISIBILITY", "3600"))},
-    result_expires=3600,
-    broker_connection_retry_on_startup=True,
-    worker_hijack_root_logger=False,
-)
-celery_leases.install(app)
 
-_sink = redis.Redis.from_url(app.conf.leases_redis_url)
+def create_app(env: Mapping[str, str]) -> Celery:
+    get = env.get
+    prefix = get("LEASES_TEST_PREFIX", "leases-test")
+    broker = get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/0")
+    app = Celery("leased_app", broker=broker, backend=get("LEASES_TEST_BACKEND", broker))
+    acks_late = get("LEASES_TEST_ACKS_LATE", "0") == "1"
+    app.conf.update(
+        task_default_queue=prefix,
+        leases_redis_url=get("LEASES_TEST_LEASES_URL", broker),
+        leases_key_prefix=prefix,
+        leases_ttl=float(get("LEASES_TEST_TTL", "2")),
+        leases_recovery_interval=float(get("LEASES_TEST_RECOVERY_INTERVAL", "1")),
+        leases_max_recoveries=int(get("LEASES_TEST_MAX_RECOVERIES", "3")),
+        leases_worker_recovery=get("LEASES_TEST_WORKER_RECOVERY", "0") == "1",
+        leases_on_lost=get("LEASES_TEST_ON_LOST", "flag"),
+        task_acks_late=acks_late,
+        task_reject_on_worker_lost=acks_late,
+        worker_prefetch_multiplier=int(get("LEASES_TEST_PREFETCH", "1")),
+        broker_transport_options={"visibility_timeout": float(get("LEASES_TEST_VISIBILITY", "3600"))},
+        result_expires=3600,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    celery_leases.install(app)
+    sink = redis.Redis.from_url(app.conf.leases_redis_url)
+    pool = get("LEASES_TEST_POOL", "prefork")
 
+    def record(event: str, task_id: str, **fields: object) -> None:
+        """Append an execution event to the test's history list."""
+        parts = [event, task_id, str(os.getpid())] + [f"{k}={v}" for k, v in sorted(fields.items())]
+        sink.rpush(f"{prefix}:history", "|".join(parts))
 
-def record(event: str, task_id: str, **fields: object) -> None:
-    """Append an execution event to the test's history list."""
-    parts = [event, task_id, str(os.getpid())] + [f"{k}={v}" for k, v in sorted(fields.items())]
-    _sink.rpush(f"{prefix}:history", "|".join(parts))
-
-
-@app.task(base=LeasedTask, bind=True)
-def sleep_then_echo(self, value, seconds=0.0):
-    record("start", self.request.id, token=self.lease.token, value=value)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-    record("end", self.request.id, token=self.lease.token, lost=self.lease.lost)
-    return value
-
-
-@app.task(base=LeasedTask, bind=True)
-def add(self, x, y):
-    record("start", self.request.id, token=self.lease.token)
-    return x + y
+    @app.task(base=LeasedTask, bind=True)
+    def sleep_then_echo(self, value, seconds=0.0):
+        record("start", self.request.id, token=self.lease.token, value=value)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        record("end", self.request.id, token=self.lease.token, lost=self.lease.lost)
+        return value
 
 
-@app.task(base=LeasedTask, bind=True)
-def tsum(self, values):
-    record("start", self.request.id, token=self.lease.token)
-    return sum(values)
+    @app.task(base=LeasedTask, bind=True)
+    def add(self, x, y):
+        record("start", self.request.id, token=self.lease.token)
+        return x + y
 
 
-@app.task(base=LeasedTask, bind=True)
-def note_callback(self, value):
-    record("callback", self.request.id, value=value)
-    return value
+    @app.task(base=LeasedTask, bind=True)
+    def tsum(self, values):
+        record("start", self.request.id, token=self.lease.token)
+        return sum(values)
 
 
-@app.task(base=LeasedTask, bind=True, max_retries=5)
-def retry_twice(self):
-    record("start", self.request.id, token=self.lease.token, retries=self.request.retries)
-    if self.request.retries < 2:
-        raise self.retry(countdown=0.2)
-    return "done"
+    @app.task(base=LeasedTask, bind=True)
+    def note_callback(self, value):
+        record("callback", self.request.id, value=value)
+        return value
 
 
-@app.task(base=LeasedTask, bind=True)
-def kill_own_worker(self):
-    """A poison pill: kills the whole worker (main process included) every time it runs."""
-    import signal
-    record("start", self.request.id, token=self.lease.token)
-    time.sleep(0.2)
-    os.kill(os.getppid() if env("LEASES_TEST_POOL", "prefork") == "prefork" else os.getpid(),
-            signal.SIGKILL)
-    time.sleep(5)
+    @app.task(base=LeasedTask, bind=True, max_retries=5)
+    def retry_twice(self):
+        record("start", self.request.id, token=self.lease.token, retries=self.request.retries)
+        if self.request.retries < 2:
+            raise self.retry(countdown=0.2)
+        return "done"
 
 
-@app.task(base=LeasedTask, bind=True)
-def kill_own_child(self, seconds=0.2):
-    """Kills its own pool process (prefork) the first time it runs."""
-    import signal
-    record("start", self.request.id, token=self.lease.token)
-    if self.lease.token and _sink.incr(f"{prefix}:killed:{self.request.id}") == 1:
-        time.sleep(seconds)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return "survived"
-
-
-@app.task(base=LeasedTask, bind=True, lease_progress_timeout=1.0)
-def stuck(self, beats=0):
-    """Calls heartbeat() `beats` times (0.2 s apart), then stops reporting progress."""
-    record("start", self.request.id, token=self.lease.token)
-    for _ in range(beats):
-        self.lease.heartbeat()
+    @app.task(base=LeasedTask, bind=True)
+    def kill_own_worker(self):
+        """A poison pill: kills the whole worker (main process included) every time it runs."""
+        record("start", self.request.id, token=self.lease.token)
         time.sleep(0.2)
-    deadline = time.monotonic() + 4
-    while time.monotonic() < deadline and not self.lease.lost:
-        time.sleep(0.1)
-    record("end", self.request.id, token=self.lease.token, lost=self.lease.lost)
-    return "finished"
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+        time.sleep(5)
 
 
-@app.task(bind=True)
-def plain_sleep(self, value, seconds=0.0):
-    record("start", self.request.id)
-    time.sleep(seconds)
-    return value
+    @app.task(base=LeasedTask, bind=True)
+    def kill_own_child(self, seconds=0.2):
+        """Kills its own pool process (prefork) the first time it runs."""
+        record("start", self.request.id, token=self.lease.token)
+        if self.lease.token and sink.incr(f"{prefix}:killed:{self.request.id}") == 1:
+            time.sleep(seconds)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "survived"
+
+
+    @app.task(base=LeasedTask, bind=True, lease_progress_timeout=1.0)
+    def stuck(self, beats=0):
+        """Calls heartbeat() `beats` times (0.2 s apart), then stops reporting progress."""
+        record("start", self.request.id, token=self.lease.token)
+        for _ in range(beats):
+            self.lease.heartbeat()
+            time.sleep(0.2)
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline and not self.lease.lost:
+            time.sleep(0.1)
+        record("end", self.request.id, token=self.lease.token, lost=self.lease.lost)
+        return "finished"
+
+
+    @app.task(bind=True)
+    def plain_sleep(self, value, seconds=0.0):
+        record("start", self.request.id)
+        time.sleep(seconds)
+        return value
+
+    return app
+
+
+app = create_app(os.environ)

@@ -1,0 +1,173 @@
+"""LeasedTask on real `celery worker` processes, a real Redis broker and result backend."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from celery import chain, chord
+
+import celery_leases
+from tests.workers import wait_for
+
+TASKS = "tests.apps.leased_app"
+
+
+def starts(history, task_id):
+    return [h for h in history() if h[0] == "start" and h[1] == task_id]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+def test_long_task_keeps_its_lease_past_the_ttl(pool, client_app, start_worker, history):
+    # Given a worker of each pool and a 2 s lease ttl
+    start_worker("a", pool=pool, concurrency=1)
+    store = celery_leases.store(client_app)
+    # When a task runs for 8 s (four times the ttl)
+    result = client_app.signature(f"{TASKS}.sleep_then_echo", ("v", 8.0)).delay()
+    wait_for(lambda: starts(history, result.id), 10, what="the task to start")
+    time.sleep(3.0)
+    # Then, mid-run, the lease is still active with a deadline in the future
+    record = store.get(result.id)
+    assert record.state == "active"
+    assert record.deadline > store.server_time_ms()
+    assert store.expired() == []
+    # And it succeeds once, never having lost its lease
+    assert result.get(timeout=15) == "v"
+    assert len(starts(history, result.id)) == 1
+    end = [h for h in history() if h[0] == "end"][0]
+    assert end[3]["lost"] == "False"
+    assert store.get(result.id).state == "succeeded"
+
+
+def test_stale_owner_cannot_overwrite_the_new_owner(client_app, start_worker, history, redis_client):
+    # Given worker A running a task with a link callback
+    a = start_worker("a")
+    store = celery_leases.store(client_app)
+    callback = client_app.signature(f"{TASKS}.note_callback")
+    result = client_app.signature(f"{TASKS}.sleep_then_echo", ("from-a", 4.0)).apply_async(link=callback)
+    first = wait_for(lambda: starts(history, result.id), 10, what="A to start")[0]
+    # When A is paused past its ttl and the lease is recovered
+    a.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: store.expired(), 5, what="A's lease to expire")
+        report = store.recover()
+        assert report.recovered == 1
+        # Then worker B runs the recovered copy with a higher token
+        b = start_worker("b")
+        wait_for(lambda: len(starts(history, result.id)) == 2, 15, what="B to start the task")
+        second = starts(history, result.id)[1]
+        assert int(second[3]["token"]) > int(first[3]["token"])
+    finally:
+        a.signal(signal.SIGCONT)
+    # When A resumes and finishes first (B still has ~4 s to go)
+    wait_for(lambda: [h for h in history() if h[0] == "end" and h[2] == first[2]], 10,
+             what="A to finish its body")
+    # Then a waiter on the original AsyncResult gets B's outcome
+    assert result.get(timeout=15) == "from-a"
+    record = store.get(result.id)
+    assert record.state == "succeeded" and record.token == int(second[3]["token"])
+    # And A's outcome was refused: one accepted outcome, and A's callback never fired
+    time.sleep(1.0)
+    callbacks = [h for h in history() if h[0] == "callback"]
+    assert len(callbacks) == 1, callbacks
+    assert "refused" in a.log() and "lost" in a.log()
+    assert store.stats()["refused"] >= 1
+    b.stop()
+
+
+def test_stale_owner_result_never_reaches_the_backend(client_app, start_worker, history):
+    # Given A paused mid-task and the task recovered, but nobody running it yet
+    a = start_worker("a")
+    store = celery_leases.store(client_app)
+    result = client_app.signature(f"{TASKS}.sleep_then_echo", ("stale", 1.5)).delay()
+    wait_for(lambda: starts(history, result.id), 10, what="A to start")
+    a.signal(signal.SIGSTOP)
+    wait_for(lambda: store.expired(), 5, what="A's lease to expire")
+    assert store.recover().recovered == 1
+    # When A resumes and finishes while the recovered copy still waits in the queue
+    a.signal(signal.SIGCONT)
+    wait_for(lambda: [h for h in history() if h[0] == "end"], 10, what="A to finish")
+    time.sleep(0.5)
+    # Then the backend holds nothing from A (A's own worker may now run the copy)
+    meta = client_app.backend.get_task_meta(result.id)
+    if meta["status"] == "SUCCESS":
+        # only the recovered execution may have written it
+        assert len(starts(history, result.id)) == 2
+    else:
+        assert meta["status"] in ("PENDING", "STARTED")
+    assert result.get(timeout=15) == "stale"
+
+
+def test_pool_child_killed_stores_no_failure_and_releases_the_lease(client_app, start_worker, history):
+    # Given a prefork worker (early ack) running a task
+    start_worker("a", LEASES_TEST_TTL="30")
+    store = celery_leases.store(client_app)
+    result = client_app.signature(f"{TASKS}.kill_own_child", (1.0,)).delay()
+    wait_for(lambda: starts(history, result.id), 10, what="the task to start")
+    # When its pool child is SIGKILLed mid-task
+    wait_for(lambda: store.get(result.id).owner == "" , 10, what="the lease to be released")
+    # Then the lease is released at once (no 30 s ttl wait) and no FAILURE is stored
+    record = store.get(result.id)
+    assert record.state == "active" and record.deadline <= store.server_time_ms()
+    assert client_app.backend.get_task_meta(result.id)["status"] != "FAILURE"
+    # And recovery re-runs it; the waiter gets the re-run's result
+    store.recover()
+    assert result.get(timeout=15) == "survived"
+    assert store.get(result.id).recoveries == 1
+
+
+def test_retry_twice_then_succeed_has_one_accepted_outcome(client_app, start_worker, history):
+    start_worker("a")
+    store = celery_leases.store(client_app)
+    result = client_app.signature(f"{TASKS}.retry_twice").delay()
+    assert result.get(timeout=15) == "done"
+    runs = starts(history, result.id)
+    tokens = [int(h[3]["token"]) for h in runs]
+    assert [h[3]["retries"] for h in runs] == ["0", "1", "2"]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+    record = store.get(result.id)
+    assert record.state == "succeeded" and record.token == tokens[-1]
+    assert [t for t, _, _ in record.history] == tokens
+    stats = store.stats()
+    assert stats.get("succeeded") == 1 and stats.get("retried") == 2
+
+
+def test_chain_and_chord_complete(client_app, start_worker, history):
+    start_worker("a", concurrency=2)
+    add = client_app.signature(f"{TASKS}.add")
+    tsum = client_app.signature(f"{TASKS}.tsum")
+    assert chain(add.clone((1, 2)), add.clone((10,)), add.clone((100,))).delay().get(timeout=20) == 113
+    assert chord([add.clone((i, i)) for i in range(5)], tsum).delay().get(timeout=20) == 20
+
+
+def test_lost_lease_mid_chain_does_not_send_the_rest_twice(client_app, start_worker, history):
+    # Given a chain whose first task is paused past its ttl, recovered and re-run elsewhere
+    a = start_worker("a")
+    store = celery_leases.store(client_app)
+    sig = chain(client_app.signature(f"{TASKS}.sleep_then_echo", ("x", 3.0)),
+                client_app.signature(f"{TASKS}.note_callback"))
+    result = sig.delay()
+    first_id = result.parent.id
+    wait_for(lambda: starts(history, first_id), 10, what="the first task to start")
+    a.signal(signal.SIGSTOP)
+    wait_for(lambda: store.expired(), 5, what="the lease to expire")
+    store.recover()
+    b = start_worker("b")
+    a.signal(signal.SIGCONT)
+    # Then the chain completes and its second task ran exactly once
+    assert result.get(timeout=20) == "x"
+    time.sleep(1.0)
+    assert len([h for h in history() if h[0] == "callback"]) == 1
+    b.stop()
+
+
+def test_progress_timeout_takes_the_lease_from_a_stuck_task(client_app, start_worker, history):
+    # Given a task with a 1 s progress timeout that stops calling heartbeat()
+    start_worker("a", LEASES_TEST_TTL="10")
+    store = celery_leases.store(client_app)
+    result = client_app.signature(f"{TASKS}.stuck", (3,)).delay()
+    # Then, although its worker renews it, it loses its lease and sees it
+    end = wait_for(lambda: [h for h in history() if h[0] == "end"], 15, what="the task to end")
+    assert end[0][3]["lost"] == "True"
+    assert store.get(result.id).owner == ""
+    assert store.stats().get("stalled") == 1
