@@ -17,7 +17,7 @@
     ARGV[3] ttl in ms
     ARGV[4] generation carried by the message (0 when none)
     ARGV[5] attempt carried by the message (Celery's retries)
-    ARGV[6] max recoveries
+    ARGV[6] max recoveries of this task (kept in the record for recovery passes)
     ARGV[7] progress timeout in ms (0: off)
     ARGV[8] task name
     ARGV[9] message body ('' keeps the stored one)
@@ -95,7 +95,7 @@ redis.call('HSET', key,
   'deadline', deadline, 'ttl', ttl, 'generation', generation,
   'recoveries', recoveries, 'attempt', msg_attempt,
   'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
-  'acquired_at', now, 'name', ARGV[8], 'unstarted', '0',
+  'acquired_at', now, 'name', ARGV[8], 'unstarted', '0', 'max_recoveries', max_recoveries,
   'history', with_history(rec.history, new_token .. '@' .. owner .. '@' .. now))
 if ARGV[9] ~= '' then redis.call('HSET', key, 'body', ARGV[9], 'envelope', ARGV[10]) end
 redis.call('PERSIST', key)

@@ -13,7 +13,7 @@
     KEYS[1] deadlines sorted set
     KEYS[2] stats hash
     KEYS[3..n] record hash of each candidate, in the order of the ids below
-    ARGV[1] max recoveries
+    ARGV[1] max recoveries of records that do not carry their own
     ARGV[2] publish grace in ms
     ARGV[3] retention in ms of records that turn dead
     ARGV[4..] task id of the record KEYS[k] (ARGV[k+1] for KEYS[k])
@@ -30,7 +30,7 @@ local recovered, dead = 0, 0
 
 for k = 3, #KEYS do
   local key, task_id = KEYS[k], ARGV[k + 1]
-  local rec = read(key, 'state', 'deadline', 'generation', 'recoveries', 'name', 'unstarted')
+  local rec = read(key, 'state', 'deadline', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries')
   local state = rec.state
   if state ~= 'active' and state ~= 'recovering' then
     -- Finished, expired or missing: the index entry is left over.
@@ -44,7 +44,9 @@ for k = 3, #KEYS do
     local recoveries = num(rec, key, 'recoveries')
     local body = redis.call('HMGET', key, 'body', 'envelope')
     local counted = state == 'active' and rec.unstarted ~= '1'
-    if counted and recoveries >= max_recoveries then
+    local limit = max_recoveries
+    if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
+    if counted and recoveries >= limit then
       redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
       redis.call('HDEL', key, 'body')
       redis.call('ZREM', deadlines, task_id)
