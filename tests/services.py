@@ -27,3 +27,19 @@ def require_service(name: str, reachable: bool, reason: str = "") -> None:
     """Return if ``reachable``; otherwise skip (locally) or fail (CI)."""
     if not reachable:
         skip_or_fail(f"{name} not reachable" + (f": {reason}" if reason else ""))
+
+
+#: RabbitMQ used by the broker-parametrised tests.
+AMQP_URL = os.environ.get("LEASES_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def amqp_url() -> str:
+    """The RabbitMQ URL, after checking that it answers (skip or fail otherwise)."""
+    from kombu import Connection
+    try:
+        with Connection(AMQP_URL, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not there"
+        skip_or_fail(f"RabbitMQ not reachable at {AMQP_URL.split('@')[-1]} "
+                     f"(set LEASES_TEST_AMQP_URL): {exc!r}")
+    return AMQP_URL

@@ -11,9 +11,27 @@ from celery import chord
 
 import celery_leases
 from celery_leases import LeaseExpired
+from tests.services import amqp_url
 from tests.workers import wait_for
 
 TASKS = "tests.apps.leased_app"
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def celery_env(request, celery_env, redis_server_url, key_prefix):
+    """Every recovery test runs on a Redis broker and on RabbitMQ (leases and results on Redis)."""
+    if request.param == "redis":
+        yield celery_env
+        return
+    url = amqp_url()
+    yield {**celery_env, "LEASES_TEST_BROKER": url, "LEASES_TEST_BACKEND": redis_server_url,
+           "LEASES_TEST_LEASES_URL": redis_server_url}
+    from kombu import Connection
+    with Connection(url) as conn:  # the test's queue is durable on RabbitMQ: remove it
+        try:
+            conn.default_channel.queue_delete(key_prefix)
+        except Exception:  # noqa: BLE001 - best effort cleanup
+            pass
 
 
 def runs(history, task_id, event="start"):
