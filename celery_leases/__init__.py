@@ -11,6 +11,7 @@ from __future__ import annotations
 from .codes import Code
 from .exceptions import (ConfigurationError, CorruptRecord, LeaseError, LeaseExpired,
                          LeaseLost, LeaseUnavailable, StaleFence)
+from .fencing import fenced_get, fenced_set, fenced_update, idempotency_key
 from .install import install, store
 from .signals import lease_acquired, lease_dead, lease_lost, lease_recovered, stale_outcome_rejected
 from .store import Acquisition, Claim, LeaseRecord, LeaseStore, RecoveryReport
@@ -23,4 +24,5 @@ __all__ = [
     "Claim", "RecoveryReport", "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable",
     "CorruptRecord", "ConfigurationError", "StaleFence", "StaleOutcome",
     "lease_acquired", "lease_lost", "lease_recovered", "lease_dead", "stale_outcome_rejected",
+    "fenced_set", "fenced_get", "fenced_update", "idempotency_key",
 ]

@@ -30,6 +30,10 @@ class Code(enum.IntEnum):
     OK = 10
     #: recover: the lease was claimed and must now be re-published.
     RECOVERED = 11
+    #: fenced_write: refused; a newer token was already accepted for the resource.
+    STALE_FENCE = 12
+    #: complete_step: the step was already recorded (by this or an earlier owner).
+    STEP_DONE = 13
 
 
 #: Lease states, as stored in the record's ``state`` field.

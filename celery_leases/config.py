@@ -141,6 +141,33 @@ def build_config(app: Any, **overrides: Any) -> LeaseConfig:
     return config.validate()
 
 
+class _Pending(dict):
+    """The settings an unconfigured app already has (Celery(...) arguments, conf.update())."""
+
+
+def validate_pending(app: Any) -> None:
+    """Validate the leases settings known before the app reads its configuration.
+
+    Reading ``app.conf`` now would load the configuration too early (before a
+    later ``config_from_object``), so only what is already set is checked; a
+    missing Redis URL is left to the worker's start-up check.
+    """
+    pending = _Pending(getattr(app, "_preconf", None) or {})
+    if not any(key.startswith("leases_") for key in pending):
+        return
+    if not pending.get("leases_redis_url"):
+        try:
+            _fallback_url(pending)
+        except ConfigurationError:
+            pending["leases_redis_url"] = "redis://unset"
+    build_config(_AppLike(pending))
+
+
+class _AppLike:
+    def __init__(self, conf: dict) -> None:
+        self.conf = conf
+
+
 def _fallback_url(conf: Any) -> str:
     """A Redis broker or result backend URL, when leases_redis_url is not set."""
     for name in ("broker_url", "result_backend"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import get_config
+from .config import get_config, validate_pending
 from .store import LeaseStore
 
 RECOVER_TASK_NAME = "celery_leases.recover"
@@ -25,8 +25,11 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         return app
     if settings:
         app.conf.update({f"leases_{key}": value for key, value in settings.items()})
+    # A broken setting fails here, named; the worker checks again at start.
     if app.configured:
-        get_config(app, **{})  # validate now: a broken setting fails here, named
+        get_config(app)
+    else:
+        validate_pending(app)
     app.steps["worker"].add(LeaseStep)
     if all_tasks:
         base = app.Task

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .exceptions import LeaseLost, LeaseUnavailable
 
@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from .store import LeaseStore
 
 logger = logging.getLogger("celery_leases.task")
+
+T = TypeVar("T")
 
 
 class Lease:
@@ -91,6 +93,39 @@ class Lease:
             raise
         self._beat_at = now
 
+    def once(self, step: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T | None:
+        """Run ``fn(*args, **kwargs)`` unless ``step`` is already done for this task id.
+
+        Returns fn's result, or None when an earlier execution of this task id
+        (this owner or one before a recovery) already completed the step. After
+        fn returns, the step is recorded atomically, and only while this
+        execution still owns the lease: raises LeaseLost (and fn's effect is
+        not recorded) when the lease was lost, before fn runs or while it ran.
+        If fn raises, nothing is recorded and the exception propagates.
+
+        A crash between fn returning and the record being written makes the
+        step run again on the next owner, so fn should pass an idempotency
+        key (``celery_leases.idempotency_key(task_id, step)``) to whatever it
+        calls. See docs/fencing.md.
+        """
+        _check_step_name(step)
+        self.check()  # a known-stale owner starts no side effect
+        done = self.store.completed_steps(self.task_id)
+        if step in done:
+            logger.info("task %s: step %r already done (token %s), skipped", self.task_id, step, done[step])
+            return None
+        result = fn(*args, **kwargs)
+        try:
+            recorded = self.store.complete_step(self.task_id, self.owner, self.token, step)
+        except LeaseLost:
+            self._lost = True
+            logger.warning("task %s: step %r ran under token %s but the lease was lost; "
+                           "not recorded", self.task_id, step, self.token)
+            raise
+        if not recorded:
+            logger.warning("task %s: step %r was recorded by another call meanwhile", self.task_id, step)
+        return result
+
     def __repr__(self) -> str:
         return f"<Lease {self.task_id} token={self.token} owner={self.owner}{' LOST' if self._lost else ''}>"
 
@@ -111,8 +146,18 @@ class DetachedLease:
     def heartbeat(self) -> None:
         return None
 
+    def once(self, step: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T | None:
+        """Run ``fn(*args, **kwargs)`` and return its result: without a lease nothing is recorded."""
+        _check_step_name(step)
+        return fn(*args, **kwargs)
+
     def __repr__(self) -> str:
         return "<DetachedLease (no lease: eager or direct call)>"
 
 
 DETACHED = DetachedLease()
+
+
+def _check_step_name(step: Any) -> None:
+    if not isinstance(step, str) or not step:
+        raise ValueError(f"once(): the step name must be a non-empty string, got {step!r}")

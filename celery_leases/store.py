@@ -332,6 +332,31 @@ class LeaseStore:
             lambda: self.client.set(self.keys.recovery_guard, owner, nx=True, px=_ms(interval)),
             f"setting {self.keys.recovery_guard}"))
 
+    def complete_step(self, task_id: str, owner: str, token: int, step: str) -> bool:
+        """Record once-only ``step`` of ``task_id`` as done under the caller's lease.
+
+        True when recorded now; False when it was already recorded (by this or
+        an earlier owner). Raises LeaseLost when the caller no longer owns the
+        lease, so a stale owner never marks a step done for its successor.
+        """
+        key, steps = self.keys.record(task_id), self.keys.steps(task_id)
+        code, _recorded_by = self._run(
+            scripts.complete_step, (key, steps), (owner, int(token), step, _ms(self.retention)),
+            f"task {task_id}, step {step!r}, key {steps}")
+        if Code(code) is Code.STEP_DONE:
+            return False
+        _raise_unless_ok(Code(code), task_id, token)
+        return True
+
+    def completed_steps(self, task_id: str) -> dict[str, int]:
+        """Once-only steps recorded for ``task_id``: step name -> token of the owner that recorded it."""
+        steps = self.keys.steps(task_id)
+        raw = self._read(lambda: self.client.hgetall(steps), f"reading {steps} of task {task_id}")
+        try:
+            return {k.decode(): int(v) for k, v in raw.items()}
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(f"steps hash {steps} of task {task_id} is corrupt: {exc!r}") from None
+
     # -- reads ---------------------------------------------------------------
 
     def get(self, task_id: str) -> LeaseRecord | None:

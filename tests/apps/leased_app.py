@@ -37,6 +37,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_max_recoveries=int(get("LEASES_TEST_MAX_RECOVERIES", "3")),
         leases_worker_recovery=get("LEASES_TEST_WORKER_RECOVERY", "0") == "1",
         leases_on_lost=get("LEASES_TEST_ON_LOST", "flag"),
+        leases_unavailable_retry_delay=float(get("LEASES_TEST_UNAVAILABLE_DELAY", "5")),
         task_acks_late=acks_late,
         task_reject_on_worker_lost=acks_late,
         worker_prefetch_multiplier=int(get("LEASES_TEST_PREFETCH", "1")),
@@ -128,6 +129,53 @@ def create_app(env: Mapping[str, str]) -> Celery:
         record("start", self.request.id)
         time.sleep(seconds)
         return value
+
+
+    @app.task(base=LeasedTask, bind=True)
+    def two_steps(self, pause=3.0):
+        """Once-only steps "first" and "second"; the first execution to run "second"
+        stays inside it for `pause` s (a window to pause the worker) before recording it."""
+        record("start", self.request.id, token=self.lease.token)
+
+        def step(name, hold=0.0):
+            record("step", self.request.id, token=self.lease.token, step=name)
+            deadline = time.monotonic() + hold
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+            return f"{name}@{self.lease.token}"
+
+        first = self.lease.once("first", step, "first")
+        hold = pause if sink.incr(f"{prefix}:held:{self.request.id}") == 1 else 0.0
+        try:
+            second = self.lease.once("second", step, "second", hold=hold)
+        except celery_leases.LeaseLost:
+            record("refused", self.request.id, token=self.lease.token, step="second")
+            raise
+        record("end", self.request.id, token=self.lease.token, first=first, second=second)
+        return [first, second]
+
+    @app.task(base=LeasedTask)
+    def add_unbound(x, y):
+        return x + y
+
+    @app.task(base=LeasedTask, bind=True, ignore_result=True)
+    def add_ignored(self, x, y):
+        record("start", self.request.id, token=self.lease.token)
+        return x + y
+
+    @app.task(base=LeasedTask, bind=True, time_limit=1)
+    def hard_limited(self):
+        record("start", self.request.id, token=self.lease.token)
+        time.sleep(5)
+
+    @app.task(base=LeasedTask, bind=True, soft_time_limit=0.5)
+    def soft_limited(self):
+        from celery.exceptions import SoftTimeLimitExceeded
+        record("start", self.request.id, token=self.lease.token)
+        try:
+            time.sleep(5)
+        except SoftTimeLimitExceeded:
+            return "soft limit handled"
 
     return app
 

@@ -1,0 +1,45 @@
+--[[
+  complete_step: record a once-only step of a task as done, if the caller still owns the lease.
+
+  Checked in order: the caller must be the owner (state active, same token,
+  same owner), so an owner that lost its lease can never mark a step done for
+  the owner that replaced it; then a step recorded earlier, by this owner or
+  an earlier one, is reported and left as it is. The steps hash expires
+  retention ms after its last recorded step, so it never outlives a finished
+  task's record (that record expires retention ms after the finish, which
+  comes later).
+
+  Input:
+    KEYS[1] record hash of the task
+    KEYS[2] steps hash of the task
+    ARGV[1] owner (worker instance id)
+    ARGV[2] token of the caller
+    ARGV[3] step name
+    ARGV[4] retention in ms
+
+  Output: {code, token}
+    OK         recorded now; token is the caller's
+    STEP_DONE  already recorded; token is that of the owner that recorded it
+    LOST       the caller no longer owns the lease (token or owner differs, released, recovering)
+    FINISHED   the record is terminal
+    MISSING    there is no record for this task id
+]]
+local key, steps = KEYS[1], KEYS[2]
+local owner, token, step = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+
+local rec = read(key, 'state', 'token', 'owner')
+local state = rec.state
+if not state then return {8, 0} end
+local current = num(rec, key, 'token')
+if state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
+  return {4, current}
+elseif state ~= 'active' and state ~= 'recovering' then
+  error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
+end
+if state ~= 'active' or current ~= token or rec.owner ~= owner then return {7, current} end
+
+local done = redis.call('HGET', steps, step)
+if done then return {13, tonumber(done) or 0} end
+redis.call('HSET', steps, step, ARGV[2])
+redis.call('PEXPIRE', steps, tonumber(ARGV[4]))
+return {10, token}

@@ -1,0 +1,55 @@
+"""Bad input at the worker: clear errors naming the setting; no task run without a lease."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import celery_leases
+from tests.redis_server import RedisServer
+from tests.workers import Worker, wait_for
+
+TASKS = "tests.apps.leased_app"
+
+
+def test_worker_with_unreachable_lease_store_fails_at_start_naming_the_setting(celery_env, tmp_path):
+    worker = Worker("bad", {**celery_env, "LEASES_TEST_LEASES_URL": "redis://127.0.0.1:1/0"},
+                    log_dir=tmp_path)
+    with pytest.raises(RuntimeError) as failure:
+        worker.start(timeout=30)
+    worker.kill()
+    assert "leases_redis_url" in str(failure.value)
+
+
+def test_worker_with_broken_setting_fails_at_start_naming_it(celery_env, tmp_path):
+    worker = Worker("bad", {**celery_env, "LEASES_TEST_TTL": "-3"}, log_dir=tmp_path)
+    with pytest.raises(RuntimeError) as failure:
+        worker.start(timeout=30)
+    worker.kill()
+    assert "leases_ttl" in str(failure.value)
+
+
+def test_store_down_when_a_task_arrives_it_is_not_run_and_not_lost(celery_env, start_worker, history,
+                                                                    redis_server_url, tmp_path):
+    # Given a lease store on its own Redis (broker and results elsewhere), and a running worker
+    lease_redis = RedisServer(dir=tmp_path)
+    lease_redis.start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url}
+        from tests.apps.leased_app import create_app
+        app = create_app(env)
+        start_worker("a", **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")},
+                     LEASES_TEST_UNAVAILABLE_DELAY="1")
+        # When the lease store goes down and a task arrives
+        lease_redis.stop()
+        result = app.signature(f"{TASKS}.add_unbound", (20, 22)).delay()
+        time.sleep(2.5)
+        # Then it has not run (no result) ...
+        assert app.backend.get_task_meta(result.id)["status"] == "PENDING"
+        # ... and once the store is back, the delayed copy runs it under a lease
+        lease_redis.start()
+        assert result.get(timeout=20) == 42
+        assert celery_leases.store(app).get(result.id).state == "succeeded"
+        app.close()
+    finally:
+        lease_redis.stop()
