@@ -171,3 +171,77 @@ def test_progress_timeout_takes_the_lease_from_a_stuck_task(client_app, start_wo
     assert end[0][3]["lost"] == "True"
     assert store.get(result.id).owner == ""
     assert store.stats().get("stalled") == 1
+
+
+def test_unbound_and_ignore_result_tasks_are_leased(client_app, start_worker, history):
+    start_worker("a")
+    store = celery_leases.store(client_app)
+    unbound = client_app.signature(f"{TASKS}.add_unbound", (2, 3)).delay()
+    assert unbound.get(timeout=10) == 5
+    assert store.get(unbound.id).state == "succeeded"
+    ignored = client_app.signature(f"{TASKS}.add_ignored", (2, 3)).delay()
+    wait_for(lambda: store.get(ignored.id) and store.get(ignored.id).state == "succeeded", 10,
+             what="the ignore_result task to finish its lease")
+    assert client_app.backend.get_task_meta(ignored.id)["status"] == "PENDING"
+
+
+def test_time_limits(client_app, start_worker, history):
+    start_worker("a")
+    store = celery_leases.store(client_app)
+    # a hard limit kills the child; the main process writes the FAILURE under the owner's token
+    hard = client_app.signature(f"{TASKS}.hard_limited").delay()
+    with pytest.raises(Exception, match="TimeLimitExceeded"):
+        hard.get(timeout=15)
+    assert store.get(hard.id).state == "failed"
+    # a soft limit is an exception inside the body, handled like any other
+    soft = client_app.signature(f"{TASKS}.soft_limited").delay()
+    assert soft.get(timeout=15) == "soft limit handled"
+    assert store.get(soft.id).state == "succeeded"
+
+
+def test_revoked_task_ends_its_lease(client_app, start_worker, history):
+    start_worker("a")
+    store = celery_leases.store(client_app)
+    # Given a task held by the worker until its countdown
+    result = client_app.signature(f"{TASKS}.sleep_then_echo", ("never", 0)).apply_async(countdown=4)
+    wait_for(lambda: store.get(result.id), 10, what="the worker to lease it")
+    # When it is revoked
+    client_app.control.revoke(result.id)
+    # Then it never runs, REVOKED is stored and the lease is ended
+    wait_for(lambda: store.get(result.id).state == "revoked", 10, what="the lease to end revoked")
+    time.sleep(4.5)
+    assert starts(history, result.id) == []
+    assert client_app.backend.get_task_meta(result.id)["status"] == "REVOKED"
+
+
+def test_expired_recovered_copy_ends_the_lease_and_stale_owner_is_refused(client_app, start_worker,
+                                                                          history):
+    # Given a task with `expires` that started in time on worker A, which is then paused
+    a = start_worker("a")
+    store = celery_leases.store(client_app)
+    result = client_app.signature(f"{TASKS}.sleep_then_echo", ("late", 3.0)).apply_async(expires=2.5)
+    wait_for(lambda: starts(history, result.id), 10, what="A to start")
+    a.signal(signal.SIGSTOP)
+    wait_for(lambda: store.expired(), 6, what="the lease to expire")
+    time.sleep(max(0.0, 2.6 - 2.0))
+    store.recover()
+    # When worker B receives the recovered copy after `expires` passed
+    start_worker("b")
+    wait_for(lambda: store.get(result.id).state == "revoked", 10, what="the expired copy to end the lease")
+    # Then it is not run, and A's late outcome is refused when it resumes
+    a.signal(signal.SIGCONT)
+    wait_for(lambda: [h for h in history() if h[0] == "end"], 10, what="A to finish its body")
+    time.sleep(0.5)
+    assert len(starts(history, result.id)) == 1
+    assert client_app.backend.get_task_meta(result.id)["status"] == "REVOKED"
+    assert store.get(result.id).state == "revoked"
+
+
+def test_on_lost_terminate_kills_a_stuck_task(client_app, start_worker, history):
+    # Given leases_on_lost='terminate' and a task that stops reporting progress
+    worker = start_worker("a", LEASES_TEST_TTL="10", LEASES_TEST_ON_LOST="terminate")
+    client_app.signature(f"{TASKS}.stuck", (0,)).delay()
+    # Then the worker terminates its pool process once the lease is lost
+    wait_for(lambda: "terminating pool process" in worker.log(), 15, what="the termination")
+    time.sleep(1.0)
+    assert [h for h in history() if h[0] == "end"] == []
