@@ -1,7 +1,8 @@
 """The heartbeat: one thread in the worker's main process renewing every held lease.
 
 One ``renew_many`` call per tick covers all leases the worker holds, whatever
-their number. A thread (not the event loop's timer) because the solo pool
+their number (one call per distinct ttl / progress-timeout class, in practice
+one). A thread (not the event loop's timer) because the solo pool
 blocks the loop while a task runs; a CPU-bound prefork child cannot starve it
 either, since it lives in the main process. A failing tick is logged, counted
 and retried on the next one: the thread never dies quietly.
@@ -27,6 +28,9 @@ class Held:
     token: int
     request: Any = None
     interval: float = 10.0
+    ttl: float = 30.0
+    #: True when the task has a progress timeout the renewal must enforce.
+    progress: bool = False
     lost: bool = False
 
 
@@ -93,13 +97,20 @@ class Heartbeat:
 
     def tick(self) -> dict[str, Code]:
         """Renew every held lease in one call; hand the lost ones to ``on_lost``."""
+        groups: dict[tuple, dict[str, int]] = {}
         with self.lock:
-            snapshot = {task_id: h.token for task_id, h in self.held.items() if not h.lost}
-        if not snapshot:
+            for task_id, h in self.held.items():
+                if not h.lost:
+                    groups.setdefault((h.ttl, h.progress), {})[task_id] = h.token
+        if not groups:
             return {}
         self.ticks += 1
+        snapshot = {task_id: token for leases in groups.values() for task_id, token in leases.items()}
         try:
-            not_renewed = self.store.renew_many(self.owner, snapshot)
+            not_renewed: dict[str, Code] = {}
+            for (ttl, progress), leases in groups.items():
+                not_renewed.update(self.store.renew_many(self.owner, leases, ttl=ttl,
+                                                         check_progress=progress))
         except Exception as exc:  # noqa: BLE001 - counted, logged, retried next tick
             self.failures += 1
             self.consecutive_failures += 1

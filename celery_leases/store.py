@@ -24,7 +24,7 @@ __all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport"
 
 logger = logging.getLogger("celery_leases.store")
 
-_INT_FIELDS = ("token", "deadline", "ttl", "generation", "recoveries", "attempt",
+_INT_FIELDS = ("token", "ttl", "generation", "recoveries", "attempt",
                "progress_timeout", "progress_deadline", "acquired_at", "finished_at")
 
 
@@ -36,6 +36,7 @@ class LeaseRecord:
     state: str
     token: int
     owner: str
+    #: Server-clock ms when the lease is due for recovery (0: not in the deadline index).
     deadline: int
     recoveries: int
     generation: int = 0
@@ -51,7 +52,7 @@ class LeaseRecord:
     has_message: bool = False
 
     @classmethod
-    def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes]) -> "LeaseRecord":
+    def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0) -> "LeaseRecord":
         data = {k.decode(): v for k, v in raw.items()}
         values: dict[str, Any] = {}
         try:
@@ -61,12 +62,16 @@ class LeaseRecord:
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             raise CorruptRecord(f"lease record {key} of task {task_id} is corrupt: {exc!r}") from None
         history = []
-        for entry in (data.get("history") or b"").decode().split("|"):
-            if entry:
-                token, rest = entry.split("@", 1)
-                owner, at = rest.rsplit("@", 1)
-                history.append((int(token), owner, int(at)))
+        try:
+            for entry in (data.get("history") or b"").decode().split("|"):
+                if entry:
+                    token, rest = entry.split("@", 1)
+                    owner, at = rest.rsplit("@", 1)
+                    history.append((int(token), owner, int(at)))
+        except ValueError:
+            raise CorruptRecord(f"lease record {key} of task {task_id}: field history is corrupt") from None
         return cls(task_id=task_id, state=state, owner=(data.get("owner") or b"").decode(),
+                   deadline=deadline,
                    name=(data.get("name") or b"").decode(), history=tuple(history),
                    has_message=bool(data.get("body")), **values)
 
@@ -215,16 +220,19 @@ class LeaseStore:
             f"task {task_id}, key {key}")
         _raise_unless_ok(Code(code), task_id, token, state.decode())
 
-    def renew_many(self, owner: str, leases: Mapping[str, int]) -> dict[str, Code]:
-        """Renew every lease ``owner`` holds in one call; returns those not renewed, with why."""
+    def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
+                   check_progress: bool = False) -> dict[str, Code]:
+        """Renew leases ``owner`` holds, all with the same ``ttl``, in one call.
+
+        Returns the leases not renewed, with why. ``check_progress`` enforces
+        progress deadlines (leases of tasks with a progress timeout).
+        """
         if not leases:
             return {}
-        keys = [self.keys.deadlines, self.keys.stats]
-        args: list[Any] = [owner]
-        for task_id, token in leases.items():
-            keys.append(self.keys.record(task_id))
-            args.append(task_id)
-            args.append(int(token))
+        record = self.keys.record
+        keys = [self.keys.deadlines, self.keys.stats, *map(record, leases)]
+        args = [owner, _ms(self.ttl if ttl is None else ttl), 1 if check_progress else 0,
+                len(self.keys.record_prefix()), *leases.values()]
         flat = self._run(scripts.renew_many, keys, args, f"{len(leases)} leases of {owner}")
         return {flat[i].decode(): Code(flat[i + 1]) for i in range(0, len(flat), 2)}
 
@@ -250,9 +258,10 @@ class LeaseStore:
             args += [task_id, int(token)]
         return int(self._run(scripts.release, keys, args, f"{len(leases)} leases of {owner}"))
 
-    def claim_expired(self, limit: int | None = None) -> list[Claim]:
+    def claim_expired(self, limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
         """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua)."""
-        ids = self.expired(limit or self.recover_batch)
+        if ids is None:
+            ids = self.expired(limit or self.recover_batch)
         if not ids:
             return []
         keys = [self.keys.deadlines, self.keys.stats] + [self.keys.record(t) for t in ids]
@@ -299,9 +308,10 @@ class LeaseStore:
         remaining = limit
         while remaining is None or remaining > 0:
             batch = self.recover_batch if remaining is None else min(remaining, self.recover_batch)
-            claims = self.claim_expired(batch)
-            if not claims:
+            ids = self.expired(batch)
+            if not ids:
                 break
+            claims = self.claim_expired(ids=ids)
             published = []
             for claim in claims:
                 try:
@@ -321,8 +331,8 @@ class LeaseStore:
                                  self.publish_grace, exc, exc_info=True)
             self.mark_published(published)
             if remaining is not None:
-                remaining -= len(claims)
-            if len(claims) < batch:
+                remaining -= len(ids)
+            if len(ids) < batch:
                 break
         return report
 
@@ -362,10 +372,17 @@ class LeaseStore:
     def get(self, task_id: str) -> LeaseRecord | None:
         """The lease record of ``task_id``, or None when there is none."""
         key = self.keys.record(task_id)
-        raw = self._read(lambda: self.client.hgetall(key), f"reading {key} of task {task_id}")
+
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hgetall(key)
+            pipe.zscore(self.keys.deadlines, task_id)
+            return pipe.execute()
+
+        raw, deadline = self._read(read, f"reading {key} of task {task_id}")
         if not raw:
             return None
-        return LeaseRecord.parse(task_id, key, raw)
+        return LeaseRecord.parse(task_id, key, raw, int(deadline or 0))
 
     def check(self, task_id: str, owner: str, token: int) -> None:
         """Raise LeaseLost unless ``owner`` with ``token`` still holds ``task_id``'s lease."""

@@ -127,7 +127,8 @@ class LeaseWorker:
             request_dict["lease_token"] = acq.token
             request_dict["lease_owner"] = self.owner
             request_dict["lease_generation"] = acq.generation
-            self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval))
+            self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
+                                                ttl=config.ttl, progress=bool(config.progress_timeout)))
             lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
                                 taken_over=acq.code is Code.TAKEN_OVER)
             return

@@ -40,7 +40,7 @@ local max_recoveries = tonumber(ARGV[6])
 local progress_timeout = tonumber(ARGV[7])
 
 local now = now_ms()
-local rec = read(key, 'state', 'token', 'deadline', 'generation', 'recoveries', 'attempt', 'history', 'unstarted')
+local rec = read(key, 'state', 'token', 'generation', 'recoveries', 'attempt', 'history', 'unstarted')
 local state = rec.state
 local token = num(rec, key, 'token')
 local generation = num(rec, key, 'generation')
@@ -59,7 +59,8 @@ if state then
     return {5, token, generation, recoveries, state}
   end
   if state == 'active' and msg_attempt == attempt and msg_gen == generation then
-    if num(rec, key, 'deadline') > now then
+    local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
+    if deadline and deadline > now then
       redis.call('HINCRBY', stats, 'busy_deliveries', 1)
       return {3, token, generation, recoveries, state}
     end
@@ -68,7 +69,7 @@ if state then
       code = 2
     elseif recoveries >= max_recoveries then
       redis.call('HSET', key, 'state', 'dead', 'finished_at', now, 'owner', '')
-      redis.call('HDEL', key, 'body')
+      redis.call('HDEL', key, 'body', 'envelope', 'holder')
       redis.call('ZREM', deadlines, task_id)
       redis.call('PEXPIRE', key, tonumber(ARGV[11]))
       redis.call('HINCRBY', stats, 'dead', 1)
@@ -90,14 +91,18 @@ if msg_gen > generation then generation = msg_gen end
 local deadline = now + ttl
 local progress_deadline = 0
 if progress_timeout > 0 then progress_deadline = now + progress_timeout end
-redis.call('HSET', key,
+local fields = {
   'task_id', task_id, 'state', 'active', 'token', new_token, 'owner', owner,
-  'deadline', deadline, 'ttl', ttl, 'generation', generation,
+  'holder', new_token .. '@' .. owner, 'ttl', ttl, 'generation', generation,
   'recoveries', recoveries, 'attempt', msg_attempt,
   'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
   'acquired_at', now, 'name', ARGV[8], 'unstarted', '0', 'max_recoveries', max_recoveries,
-  'history', with_history(rec.history, new_token .. '@' .. owner .. '@' .. now))
-if ARGV[9] ~= '' then redis.call('HSET', key, 'body', ARGV[9], 'envelope', ARGV[10]) end
+  'history', with_history(rec.history, new_token .. '@' .. owner .. '@' .. now)}
+if ARGV[9] ~= '' then
+  table.insert(fields, 'body'); table.insert(fields, ARGV[9])
+  table.insert(fields, 'envelope'); table.insert(fields, ARGV[10])
+end
+redis.call('HSET', key, unpack(fields))
 redis.call('PERSIST', key)
 redis.call('ZADD', deadlines, deadline, task_id)
 redis.call('HINCRBY', stats, 'acquired', 1)

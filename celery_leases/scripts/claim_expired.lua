@@ -30,7 +30,8 @@ local recovered, dead = 0, 0
 
 for k = 3, #KEYS do
   local key, task_id = KEYS[k], ARGV[k + 1]
-  local rec = read(key, 'state', 'deadline', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries')
+  local rec = read(key, 'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries')
+  local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
   local state = rec.state
   if state ~= 'active' and state ~= 'recovering' then
     -- Finished, expired or missing: the index entry is left over.
@@ -39,7 +40,7 @@ for k = 3, #KEYS do
     else
       error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
     end
-  elseif num(rec, key, 'deadline') <= now then
+  elseif deadline and deadline <= now then
     local generation = num(rec, key, 'generation') + 1
     local recoveries = num(rec, key, 'recoveries')
     local body = redis.call('HMGET', key, 'body', 'envelope')
@@ -48,7 +49,7 @@ for k = 3, #KEYS do
     if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
     if counted and recoveries >= limit then
       redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
-      redis.call('HDEL', key, 'body')
+      redis.call('HDEL', key, 'body', 'envelope', 'holder')
       redis.call('ZREM', deadlines, task_id)
       redis.call('PEXPIRE', key, retention)
       dead = dead + 1
@@ -56,7 +57,8 @@ for k = 3, #KEYS do
     else
       if counted then recoveries = recoveries + 1 end
       redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
-                 'recoveries', recoveries, 'attempt', 0, 'deadline', now + grace)
+                 'recoveries', recoveries, 'attempt', 0)
+      redis.call('HDEL', key, 'holder')
       redis.call('ZADD', deadlines, now + grace, task_id)
       recovered = recovered + 1
       table.insert(out, {task_id, 11, generation, recoveries, rec.name or '', body[1] or '', body[2] or ''})

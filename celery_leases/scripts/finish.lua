@@ -46,8 +46,8 @@ end
 local now = now_ms()
 if outcome == 'retry' then
   local deadline = now + tonumber(ARGV[7])
-  redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'attempt', tonumber(ARGV[6]),
-             'deadline', deadline)
+  redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'attempt', tonumber(ARGV[6]))
+  redis.call('HDEL', key, 'holder')
   redis.call('ZADD', deadlines, deadline, task_id)
   redis.call('HINCRBY', stats, 'retried', 1)
   return {10, token, 'recovering'}
@@ -56,7 +56,7 @@ if outcome ~= 'succeeded' and outcome ~= 'failed' and outcome ~= 'revoked' then
   return redis.error_reply('ERR finish: unknown outcome ' .. tostring(outcome) .. ' for ' .. key)
 end
 redis.call('HSET', key, 'state', outcome, 'finished_at', now)
-redis.call('HDEL', key, 'body', 'envelope')
+redis.call('HDEL', key, 'body', 'envelope', 'holder')
 redis.call('ZREM', deadlines, task_id)
 redis.call('PEXPIRE', key, retention)
 redis.call('HINCRBY', stats, outcome, 1)

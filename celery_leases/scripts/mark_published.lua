@@ -22,7 +22,6 @@ for k = 2, #KEYS do
   local v = redis.call('HMGET', key, 'state', 'generation')
   if v[1] == 'recovering' and v[2] == generation then
     redis.call('ZREM', deadlines, task_id)
-    redis.call('HSET', key, 'deadline', 0)
     redis.call('PEXPIRE', key, retention)
     confirmed = confirmed + 1
   end

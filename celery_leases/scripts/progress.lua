@@ -24,6 +24,6 @@ end
 if num(rec, key, 'token') ~= tonumber(ARGV[3]) or rec.owner ~= ARGV[2] then return {7} end
 local now = now_ms()
 local deadline = now + num(rec, key, 'ttl')
-redis.call('HSET', key, 'deadline', deadline, 'progress_deadline', now + num(rec, key, 'progress_timeout'))
+redis.call('HSET', key, 'progress_deadline', now + num(rec, key, 'progress_timeout'))
 redis.call('ZADD', deadlines, deadline, ARGV[1])
 return {10}

@@ -21,7 +21,8 @@ for k = 2, #KEYS do
   local task_id, token = ARGV[2 * k - 1], tonumber(ARGV[2 * k])
   local v = redis.call('HMGET', key, 'state', 'token', 'owner')
   if v[1] == 'active' and tonumber(v[2]) == token and v[3] == owner then
-    redis.call('HSET', key, 'owner', '', 'deadline', now, 'unstarted', unstarted)
+    redis.call('HSET', key, 'owner', '', 'unstarted', unstarted)
+    redis.call('HDEL', key, 'holder')
     redis.call('ZADD', deadlines, now, task_id)
     released = released + 1
   end
