@@ -24,8 +24,10 @@ class Worker:
         self.name, self.pool, self.concurrency = name, pool, concurrency
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "LEASES_TEST_POOL": pool, **env}
         self.log_path = Path(log_dir) / f"worker-{name}.log"
+        # A unique node name: RabbitMQ keeps a dead node's exclusive pidbox queue for a while.
+        node = f"{name}-{os.urandom(3).hex()}@%h"
         self.args = [CELERY, "-A", app, "worker", "-P", pool, "-c", str(concurrency),
-                     "-n", f"{name}@%h", "-l", "info", "--without-mingle", "--without-gossip",
+                     "-n", node, "-l", "info", "--without-mingle", "--without-gossip",
                      *extra]
         self.proc: subprocess.Popen | None = None
 
