@@ -51,9 +51,5 @@ class Keys:
         """Hash guarding one fenced resource (see celery_leases.fencing)."""
         return f"{self.tag}:fence:{resource}"
 
-    def steps(self, task_id: str) -> str:
-        """Hash of once-only steps completed for a task id."""
-        return f"{self.tag}:steps:{task_id}"
-
     def record_prefix(self) -> str:
         return f"{self.tag}:lease:"

@@ -349,10 +349,10 @@ class LeaseStore:
         an earlier owner). Raises LeaseLost when the caller no longer owns the
         lease, so a stale owner never marks a step done for its successor.
         """
-        key, steps = self.keys.record(task_id), self.keys.steps(task_id)
+        key = self.keys.record(task_id)
         code, _recorded_by = self._run(
-            scripts.complete_step, (key, steps), (owner, int(token), step, _ms(self.retention)),
-            f"task {task_id}, step {step!r}, key {steps}")
+            scripts.complete_step, (key,), (owner, int(token), step),
+            f"task {task_id}, step {step!r}, key {key}")
         if Code(code) is Code.STEP_DONE:
             return False
         _raise_unless_ok(Code(code), task_id, token)
@@ -360,12 +360,12 @@ class LeaseStore:
 
     def completed_steps(self, task_id: str) -> dict[str, int]:
         """Once-only steps recorded for ``task_id``: step name -> token of the owner that recorded it."""
-        steps = self.keys.steps(task_id)
-        raw = self._read(lambda: self.client.hgetall(steps), f"reading {steps} of task {task_id}")
+        key = self.keys.record(task_id)
+        raw = self._read(lambda: self.client.hgetall(key), f"reading {key} of task {task_id}")
         try:
-            return {k.decode(): int(v) for k, v in raw.items()}
+            return {k.decode()[5:]: int(v) for k, v in raw.items() if k.startswith(b"step:")}
         except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptRecord(f"steps hash {steps} of task {task_id} is corrupt: {exc!r}") from None
+            raise CorruptRecord(f"steps of task {task_id} in {key} are corrupt: {exc!r}") from None
 
     # -- reads ---------------------------------------------------------------
 

@@ -88,31 +88,31 @@ def test_the_script_answers_with_contract_codes(store, redis_client):
     # The raw codes, for the header contract: OK, STEP_DONE, LOST, FINISHED, MISSING
     from celery_leases.scripts import scripts
     lease = lease_of(store, "t1", A)
-    keys = (store.keys.record("t1"), store.keys.steps("t1"))
+    keys = (store.keys.record("t1"),)
 
     def call(owner, token, step="s", task_keys=keys):
-        code, token = scripts.complete_step(redis_client, task_keys, (owner, token, step, 60000))
+        code, token = scripts.complete_step(redis_client, task_keys, (owner, token, step))
         return Code(code), token
 
     assert call(A, lease.token) == (Code.OK, lease.token)
     assert call(A, lease.token) == (Code.STEP_DONE, lease.token)
     assert call(B, lease.token)[0] is Code.LOST
     assert call(A, lease.token + 1)[0] is Code.LOST
-    assert call(A, 1, task_keys=(store.keys.record("nope"), store.keys.steps("nope")))[0] is Code.MISSING
+    assert call(A, 1, task_keys=(store.keys.record("nope"),))[0] is Code.MISSING
     store.finish("t1", A, lease.token, "succeeded")
     assert call(A, lease.token, "t")[0] is Code.FINISHED
 
 
-def test_steps_expire_with_the_record_retention(store, redis_client):
+def test_steps_live_exactly_as_long_as_the_record(store, redis_client):
     # Given a recorded step (retention 60 s)
     lease = lease_of(store, "t1", A)
     store.complete_step("t1", A, lease.token, "charge")
-    # Then the steps hash expires after the retention period, never later
-    pttl = redis_client.pttl(store.keys.steps("t1"))
-    assert 59_000 < pttl <= 60_000
-    # And when the task finishes, its record outlives its steps
+    # Then, while the task is unfinished, nothing expires (steps are fields of the record)
+    assert redis_client.pttl(store.keys.record("t1")) == -1
+    # And once it finishes, record and steps expire together after the retention period
     store.finish("t1", A, lease.token, "succeeded")
-    assert redis_client.pttl(store.keys.record("t1")) >= redis_client.pttl(store.keys.steps("t1"))
+    assert 59_000 < redis_client.pttl(store.keys.record("t1")) <= 60_000
+    assert store.completed_steps("t1") == {"charge": lease.token}
 
 
 # -- Lease.once ----------------------------------------------------------------

@@ -4,18 +4,15 @@
   Checked in order: the caller must be the owner (state active, same token,
   same owner), so an owner that lost its lease can never mark a step done for
   the owner that replaced it; then a step recorded earlier, by this owner or
-  an earlier one, is reported and left as it is. The steps hash expires
-  retention ms after its last recorded step, so it never outlives a finished
-  task's record (that record expires retention ms after the finish, which
-  comes later).
+  an earlier one, is reported and left as it is. Steps are fields
+  "step:<name>" of the record itself, so they live exactly as long as it does
+  (no expiry while the task is unfinished, retention after it finished).
 
   Input:
     KEYS[1] record hash of the task
-    KEYS[2] steps hash of the task
     ARGV[1] owner (worker instance id)
     ARGV[2] token of the caller
     ARGV[3] step name
-    ARGV[4] retention in ms
 
   Output: {code, token}
     OK         recorded now; token is the caller's
@@ -24,7 +21,7 @@
     FINISHED   the record is terminal
     MISSING    there is no record for this task id
 ]]
-local key, steps = KEYS[1], KEYS[2]
+local key = KEYS[1]
 local owner, token, step = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 
 local rec = read(key, 'state', 'token', 'owner')
@@ -38,8 +35,8 @@ elseif state ~= 'active' and state ~= 'recovering' then
 end
 if state ~= 'active' or current ~= token or rec.owner ~= owner then return {7, current} end
 
-local done = redis.call('HGET', steps, step)
+local field = 'step:' .. step
+local done = redis.call('HGET', key, field)
 if done then return {13, tonumber(done) or 0} end
-redis.call('HSET', steps, step, ARGV[2])
-redis.call('PEXPIRE', steps, tonumber(ARGV[4]))
+redis.call('HSET', key, field, ARGV[2])
 return {10, token}
