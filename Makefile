@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 # The editable install maps only the packages that exist when it runs; once
 # celery_leases/__init__.py appears, this marker forces one re-install.
 PKG_MARK := $(if $(wildcard celery_leases/__init__.py),$(VENV)/.has-package)
-DEMO := examples/quickstart/demo.py
+DEMO := $(firstword $(wildcard examples/quickstart/demo.py) examples/payments/run.py)
 
 .PHONY: venv test demo bench clean
 
