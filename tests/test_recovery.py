@@ -186,3 +186,26 @@ def test_chord_member_recovered_callback_runs_once_with_all_results(client_app, 
     sums = [h for h in history() if h[0] == "start" and h[1] == result.id]
     assert len(sums) == 1
     assert store.stats().get("recovered") == 3
+
+
+def test_warm_shutdown_releases_unstarted_leases_at_once(client_app, start_worker, history):
+    # Given worker A running one task with three more prefetched (each leased), ttl 30 s
+    a = start_worker("a", concurrency=1, LEASES_TEST_PREFETCH="4", LEASES_TEST_TTL="30")
+    store = celery_leases.store(client_app)
+    running = client_app.signature(f"{TASKS}.sleep_then_echo", ("first", 2.0)).delay()
+    wait_for(lambda: runs(history, running.id), 10, what="A to start")
+    queued = [client_app.signature(f"{TASKS}.add", (i, 0)).delay() for i in range(3)]
+    wait_for(lambda: store.stats().get("acquired", 0) >= 4, 10, what="A to lease the prefetched tasks")
+    # When A shuts down warmly (SIGTERM): it finishes the running task and stops
+    a.stop(timeout=30)
+    assert running.get(timeout=5) == "first"
+    # Then the prefetched leases were released (not left for the 30 s ttl), and worker B
+    # runs each of them once, without counting a recovery
+    for r in queued:
+        record = store.get(r.id)
+        assert record.owner == "" and record.deadline <= store.server_time_ms() + 1
+    start_worker("b", LEASES_TEST_TTL="30", LEASES_TEST_WORKER_RECOVERY="1")
+    assert [r.get(timeout=20) for r in queued] == [0, 1, 2]
+    for r in queued:
+        assert len(runs(history, r.id)) == 1
+        assert store.get(r.id).recoveries == 0
