@@ -39,7 +39,7 @@ class LeasedRequest(Request):
                     return _generated(self, failed__retval__runtime, **kw)
                 finally:
                     self._lease_done()
-            cls.on_success = on_success
+            cls.on_success = on_success  # type: ignore[method-assign]
 
     # -- helpers ---------------------------------------------------------------
 
@@ -111,9 +111,10 @@ class LeasedRequest(Request):
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         token = self.lease_token
-        if soft or token is None or get_worker(self._app) is None:
+        worker = get_worker(self._app)
+        if soft or token is None or worker is None:
             return super().on_timeout(soft, timeout)
-        get_worker(self._app).forget(self.id)
+        worker.forget(self.id)
         if not self._lease_finish("failed", token):
             task_ready(self)
             if self.task.acks_late:

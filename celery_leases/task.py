@@ -135,7 +135,8 @@ class LeasedTask(Task):
             try:
                 return fn()
             except LeaseUnavailable as exc:
-                raise LeaseLost(lease.task_id, lease.token, f"unconfirmed, store unreachable: {exc}")
+                raise LeaseLost(lease.task_id, lease.token,
+                                f"unconfirmed, store unreachable: {exc}") from exc
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
               eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
