@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .codes import Code
+from .signals import leases_renewed
 from .store import LeaseStore
 
 logger = logging.getLogger("celery_leases.heartbeat")
@@ -36,8 +37,10 @@ class Held:
 
 class Heartbeat:
     def __init__(self, store: LeaseStore, owner: str, interval: float,
-                 on_lost: Callable[[str, Held, Code], None]) -> None:
+                 on_lost: Callable[[str, Held, Code], None], sender: Any = None) -> None:
         self.store, self.owner = store, owner
+        #: Sender of the ``leases_renewed`` signal (the worker's app).
+        self.sender = sender
         self.default_interval = interval
         self.on_lost = on_lost
         self.held: dict[str, Held] = {}
@@ -121,6 +124,8 @@ class Heartbeat:
             logger.warning("lease heartbeat recovered after %d failed tick(s)", self.consecutive_failures)
         self.consecutive_failures = 0
         self.last_renewed_at = time.monotonic()
+        leases_renewed.send(sender=self.sender, owner=self.owner,
+                            renewed=len(snapshot) - len(not_renewed), not_renewed=len(not_renewed))
         for task_id, code in not_renewed.items():
             if code is Code.FINISHED:
                 self.forget(task_id)

@@ -14,7 +14,7 @@ from kombu import Queue
 from kombu.serialization import loads
 
 from .config import get_config
-from .exceptions import LeaseExpired
+from .exceptions import LeaseError, LeaseExpired
 from .signals import lease_dead, lease_recovered
 from .store import Claim
 
@@ -56,7 +56,18 @@ class Recoverer:
         logger.info("recovered task %s[%s]: re-published (generation %d, recovery %d)",
                     claim.name, claim.task_id, claim.generation, claim.recoveries)
         lease_recovered.send(sender=self.app, task_id=claim.task_id, generation=claim.generation,
-                             recoveries=claim.recoveries)
+                             recoveries=claim.recoveries, recovered_after=self._recovered_after(claim))
+
+    def _recovered_after(self, claim: Claim) -> float | None:
+        """Seconds from the last owner's acquisition to now; read only when someone listens."""
+        if not lease_recovered.receivers:
+            return None
+        from .runtime import get_store
+        try:
+            return get_store(self.app).held_for(claim.task_id)
+        except LeaseError as exc:
+            logger.debug("task %s: recovered_after not available: %s", claim.task_id, exc)
+            return None
 
     def on_dead(self, claim: Claim) -> None:
         self.mark_dead(claim.task_id, claim.recoveries, claim.body, claim.envelope, claim.name)

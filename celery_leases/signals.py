@@ -10,9 +10,15 @@ lease_acquired = Signal(name="lease_acquired", providing_args={"task_id", "token
 #: Sent in the worker's main process when a heartbeat learns a held lease was lost.
 lease_lost = Signal(name="lease_lost", providing_args={"task_id", "token", "reason"})
 #: Sent by the recoverer for each task it re-published.
-lease_recovered = Signal(name="lease_recovered", providing_args={"task_id", "generation", "recoveries"})
+#: ``recovered_after``: seconds from the last owner's acquisition to the re-publication
+#: (None when unknown, or when no receiver was connected as the pass ran).
+lease_recovered = Signal(name="lease_recovered",
+                         providing_args={"task_id", "generation", "recoveries", "recovered_after"})
 #: Sent by the recoverer (or a worker) when a task used up its recoveries and is dead.
 lease_dead = Signal(name="lease_dead", providing_args={"task_id", "recoveries"})
 #: Sent wherever a stale owner's outcome was refused.
 stale_outcome_rejected = Signal(name="stale_outcome_rejected",
                                 providing_args={"task_id", "token", "outcome", "reason"})
+#: Sent in the worker's main process after each successful heartbeat tick:
+#: how many held leases were renewed and how many were not (lost or finished).
+leases_renewed = Signal(name="leases_renewed", providing_args={"owner", "renewed", "not_renewed"})

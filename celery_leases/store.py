@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .codes import OUTCOMES, Code
+from .codes import OUTCOMES, TERMINAL_STATES, Code
 from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
 from .keys import Keys
 from .scripts import Script, scripts
@@ -55,12 +55,17 @@ class LeaseRecord:
     def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0) -> "LeaseRecord":
         data = {k.decode(): v for k, v in raw.items()}
         values: dict[str, Any] = {}
-        try:
-            for name in _INT_FIELDS:
+        for name in _INT_FIELDS:
+            try:
                 values[name] = int(data.get(name, b"0") or 0)
+            except ValueError:
+                raise CorruptRecord(f"lease record {key} of task {task_id}: field {name} is not a "
+                                    f"number: {data[name]!r}") from None
+        try:
             state = data["state"].decode()
-        except (KeyError, ValueError, UnicodeDecodeError) as exc:
-            raise CorruptRecord(f"lease record {key} of task {task_id} is corrupt: {exc!r}") from None
+        except (KeyError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(f"lease record {key} of task {task_id}: field state is "
+                                f"missing or unreadable: {exc!r}") from None
         history = []
         try:
             for entry in (data.get("history") or b"").decode().split("|"):
@@ -103,6 +108,8 @@ class Claim:
     name: str
     body: bytes
     envelope: dict
+    #: Set when the stored message cannot be used (e.g. a corrupt envelope).
+    error: Exception | None = None
 
 
 @dataclass
@@ -271,13 +278,16 @@ class LeaseStore:
         claims = []
         for task_id, code, gen, recoveries, name, body, envelope in rows:
             task_id = task_id.decode()
+            error = None
             try:
                 env = json.loads(envelope) if envelope else {}
             except ValueError:
-                raise CorruptRecord(f"lease record {self.keys.record(task_id)} of task {task_id} "
-                                    f"holds an envelope that is not JSON") from None
+                # Reported by the recovery pass; the rest of the batch goes on.
+                env = {}
+                error = CorruptRecord(f"lease record {self.keys.record(task_id)} of task {task_id} "
+                                      f"holds an envelope that is not JSON")
             claims.append(Claim(task_id, Code(code), int(gen), int(recoveries),
-                                name.decode(), body, env))
+                                name.decode(), body, env, error))
         return claims
 
     def mark_published(self, claims: Iterable[Claim]) -> int:
@@ -315,6 +325,8 @@ class LeaseStore:
             published = []
             for claim in claims:
                 try:
+                    if claim.error is not None and claim.code is not Code.DEAD:
+                        raise claim.error
                     if claim.code is Code.DEAD:
                         report.dead += 1
                         if on_dead is not None:
@@ -392,7 +404,12 @@ class LeaseStore:
             f"reading {key} of task {task_id}")
         if state is None:
             raise LeaseLost(task_id, token, "missing")
-        if state != b"active" or int(current) != int(token) or current_owner.decode() != owner:
+        try:
+            current = int(current)
+        except (TypeError, ValueError):
+            raise CorruptRecord(f"lease record {key} of task {task_id}: field token is not a "
+                                f"number: {current!r}") from None
+        if state != b"active" or current != int(token) or (current_owner or b"").decode() != owner:
             raise LeaseLost(task_id, token, "lost" if state in (b"active", b"recovering") else "finished")
 
     def active(self, limit: int = 1000) -> list[tuple[str, int]]:
@@ -418,6 +435,142 @@ class LeaseStore:
                                         f"reading {self.keys.deadlines}"))
         return out
 
+    def expire_now(self, task_id: str) -> bool:
+        """Make ``task_id``'s lease due now, as if its ttl had run out (a test helper).
+
+        Scores the lease at the server's now in the deadline index, and only a
+        lease already there (``ZADD XX``: active or recovering); False when it
+        is not. The record is not touched: whoever acts on the due lease (a
+        recovery pass, a redelivered copy) re-checks it in its own script, as
+        for any expiry, so no Lua is needed. Not atomic with the owner's
+        heartbeat: an owner that still renews pushes the deadline back at its
+        next tick (``celery_leases.testing.make_stale`` expires and claims).
+        """
+        now = self.server_time_ms()
+
+        def rescore() -> list:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zadd(self.keys.deadlines, {task_id: now}, xx=True)
+            pipe.zscore(self.keys.deadlines, task_id)
+            return pipe.execute()
+
+        _, score = self._read(rescore, f"rescoring {task_id} in {self.keys.deadlines}")
+        return score is not None
+
+    # -- inspection and maintenance (the operators' CLI) ----------------------
+
+    def records(self, task_ids: Iterable[str], *, skip_corrupt: bool = False) -> list[LeaseRecord]:
+        """The records of ``task_ids`` in that order, without their stored messages.
+
+        Missing records are left out; one pipelined round trip for all of them.
+        A corrupt record raises CorruptRecord, or is logged and left out with
+        ``skip_corrupt``.
+        """
+        task_ids = list(task_ids)
+        if not task_ids:
+            return []
+        keys = [self.keys.record(t) for t in task_ids]
+        fields = ("state", "owner", "name", "history", *_INT_FIELDS)
+
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for key, task_id in zip(keys, task_ids):
+                pipe.hmget(key, fields)
+                pipe.hstrlen(key, "body")
+                pipe.zscore(self.keys.deadlines, task_id)
+            return pipe.execute(raise_on_error=False)
+
+        rows = self._read(read, f"reading {len(keys)} lease records")
+        out = []
+        for i, (key, task_id) in enumerate(zip(keys, task_ids)):
+            values, body_len, deadline = rows[3 * i:3 * i + 3]
+            try:
+                for value in (values, body_len, deadline):
+                    if isinstance(value, ResponseError):  # e.g. WRONGTYPE: not a hash
+                        raise CorruptRecord(f"lease record {key} of task {task_id}: {value}")
+                if values[0] is None:  # gone (expired or purged) since it was listed
+                    continue
+                raw = {f.encode(): v for f, v in zip(fields, values) if v is not None}
+                if body_len:
+                    raw[b"body"] = b"1"
+                out.append(LeaseRecord.parse(task_id, key, raw, int(deadline or 0)))
+            except CorruptRecord as exc:
+                if not skip_corrupt:
+                    raise
+                logger.warning("skipping a corrupt lease record: %s", exc)
+        return out
+
+    def scan(self, state: str | None = None, count: int = 500,
+             limit: int | None = None) -> list[LeaseRecord]:
+        """Lease records of this prefix (only those in ``state`` if given), in no particular order.
+
+        Walks the database with ``SCAN MATCH <record prefix>*`` (``count`` is
+        SCAN's batch hint), so its cost grows with the number of keys in the
+        database: for operators, never on a hot path. Live leases are listed
+        cheaply from the deadline index (``active``). Corrupt records are
+        logged and skipped. Stops after ``limit`` matching records.
+        """
+        out: list[LeaseRecord] = []
+        start = len(self.keys.record_prefix())
+        for keys in self._scan_record_keys(count):
+            for record in self.records([k[start:] for k in keys], skip_corrupt=True):
+                if state is not None and record.state != state:
+                    continue
+                out.append(record)
+                if limit is not None and len(out) >= limit:
+                    return out
+        return out
+
+    def purge(self, older_than: float = 0.0, *, dry_run: bool = False, count: int = 500) -> int:
+        """Delete finished records (succeeded, failed, revoked, dead) finished ``older_than`` seconds ago or more.
+
+        Never deletes an active or recovering record (purge.lua checks and
+        deletes atomically). Ages are measured on the Redis server's clock.
+        ``dry_run`` only counts. Returns the number of records deleted (or
+        that would be). A purged record no longer refuses late duplicates of
+        its task: purge only what is older than any duplicate can be.
+        """
+        if dry_run:
+            cutoff = self.server_time_ms() - _ms(older_than)
+            return sum(1 for r in self.scan(count=count)
+                       if r.state in TERMINAL_STATES and r.finished_at <= cutoff)
+        purged = 0
+        start = len(self.keys.record_prefix())
+        for keys in self._scan_record_keys(count):
+            _, n = self._run(scripts.purge, [self.keys.deadlines, *keys],
+                             [_ms(older_than), *(k[start:] for k in keys)],
+                             f"{len(keys)} records")
+            purged += int(n)
+        return purged
+
+    def held_for(self, task_id: str) -> float | None:
+        """Seconds since the current or last owner of ``task_id`` acquired it (server clock); None without a record."""
+        key = self.keys.record(task_id)
+
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hget(key, "acquired_at")
+            pipe.time()
+            return pipe.execute()
+
+        acquired_at, (seconds, micros) = self._read(read, f"reading {key} of task {task_id}")
+        if not acquired_at:
+            return None
+        return max(0.0, (int(seconds) * 1000 + int(micros) // 1000 - int(acquired_at)) / 1000.0)
+
+    def _scan_record_keys(self, count: int) -> Iterable[list[str]]:
+        """Batches of record key names (str) found by SCAN MATCH on the record prefix."""
+        match = _glob_escape(self.keys.record_prefix()) + "*"
+        cursor = 0
+        while True:
+            cursor, keys = self._read(
+                lambda: self.client.scan(cursor, match=match, count=count),
+                f"scanning {match}")
+            if keys:
+                yield [k.decode() if isinstance(k, bytes) else k for k in keys]
+            if int(cursor) == 0:
+                return
+
 
 def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> None:
     """The one place a refused transition becomes an exception."""
@@ -434,3 +587,8 @@ def _describe(client: redis.Redis) -> str:
     if "path" in kw:
         return f"unix://{kw['path']}"
     return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (SCAN MATCH)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

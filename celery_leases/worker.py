@@ -23,6 +23,7 @@ from typing import Any
 from celery import bootsteps
 from celery.signals import task_received, worker_shutdown
 
+from .checks import run_checks
 from .codes import Code
 from .config import LeaseConfig, get_config
 from .exceptions import LeaseError, LeaseUnavailable
@@ -58,7 +59,8 @@ class LeaseWorker:
         self.app, self.config, self.pool = app, config, pool
         self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.store = get_store(app)
-        self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost)
+        self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
+                                   sender=app)
         self._task_configs: dict[str, LeaseConfig] = {}
         self._stop = threading.Event()
         self._recovery_thread: threading.Thread | None = None
@@ -72,6 +74,7 @@ class LeaseWorker:
             self.store.server_time_ms()
         except LeaseUnavailable as exc:
             raise LeaseUnavailable(f"leases_redis_url: {exc}") from exc
+        run_checks(self.app, self.config, self.store)  # warnings only: Redis and broker settings
         self.heartbeat.start()
         if self.config.worker_recovery:
             self._recovery_thread = threading.Thread(

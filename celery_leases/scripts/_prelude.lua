@@ -3,6 +3,7 @@
   Not a script of its own: it defines helpers only.
 
   now_ms()                   server clock in milliseconds (TIME), never a worker's
+  wrongtype(key, reply)      a pcall reply, or an error naming the key (a key of the wrong type)
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
   with_history(old, entry)   the history string with entry appended (last 16 kept)
@@ -12,9 +13,16 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+local function wrongtype(key, reply)
+  if type(reply) == 'table' and reply.err then
+    error({err = 'CORRUPT ' .. key .. ': ' .. reply.err})
+  end
+  return reply
+end
+
 local function read(key, ...)
   local names = {...}
-  local values = redis.call('HMGET', key, unpack(names))
+  local values = wrongtype(key, redis.pcall('HMGET', key, unpack(names)))
   local rec = {}
   for i, name in ipairs(names) do rec[name] = values[i] end
   return rec

@@ -19,7 +19,7 @@ local confirmed = 0
 for k = 2, #KEYS do
   local key = KEYS[k]
   local task_id, generation = ARGV[2 * k - 2], ARGV[2 * k - 1]
-  local v = redis.call('HMGET', key, 'state', 'generation')
+  local v = wrongtype(key, redis.pcall('HMGET', key, 'state', 'generation'))
   if v[1] == 'recovering' and v[2] == generation then
     redis.call('ZREM', deadlines, task_id)
     redis.call('PEXPIRE', key, retention)

@@ -19,8 +19,8 @@ local released = 0
 for k = 2, #KEYS do
   local key = KEYS[k]
   local task_id, token = ARGV[2 * k - 1], tonumber(ARGV[2 * k])
-  local v = redis.call('HMGET', key, 'state', 'token', 'owner')
-  if v[1] == 'active' and tonumber(v[2]) == token and v[3] == owner then
+  local rec = read(key, 'state', 'token', 'owner')
+  if rec.state == 'active' and num(rec, key, 'token') == token and rec.owner == owner then
     redis.call('HSET', key, 'owner', '', 'unstarted', unstarted)
     redis.call('HDEL', key, 'holder')
     redis.call('ZADD', deadlines, now, task_id)

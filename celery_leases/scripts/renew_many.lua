@@ -39,10 +39,10 @@ for k = 3, #KEYS do
   local token = ARGV[k + 2]
   local holder, progress_deadline
   if check_progress then
-    local v = redis.call('HMGET', key, 'holder', 'progress_deadline')
+    local v = wrongtype(key, redis.pcall('HMGET', key, 'holder', 'progress_deadline'))
     holder, progress_deadline = v[1], tonumber(v[2]) or 0
   else
-    holder = redis.call('HGET', key, 'holder')
+    holder = wrongtype(key, redis.pcall('HGET', key, 'holder'))
   end
   local task_id = string.sub(key, skip)
   if holder == token .. suffix then

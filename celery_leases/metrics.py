@@ -1,0 +1,135 @@
+"""Prometheus metrics fed by celery-leases' signals (extra: ``celery-leases[prometheus]``).
+
+    from celery_leases.metrics import enable_prometheus
+    enable_prometheus(app)      # once per process, e.g. next to install(app)
+
+Counters count what the signals report **in this process**: acquisitions,
+renewals and lost leases happen in a worker's main process; refusals in the
+process that ran the task (a prefork pool child, or the main process for
+Celery's own writes); recoveries and dead tasks wherever the recovery pass
+ran (a worker's fallback thread, or the pool child running beat's
+``celery_leases.recover`` task). Under prefork, use prometheus_client's
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``) so the children's counts are
+exported too. Cluster-wide lifetime totals are in Redis: ``celery leases stats``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+try:
+    import prometheus_client
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides the module
+    raise ImportError(
+        "celery_leases.metrics needs the prometheus-client package: "
+        "pip install 'celery-leases[prometheus]'") from exc
+
+from .signals import (lease_acquired, lease_dead, lease_lost, lease_recovered, leases_renewed,
+                      stale_outcome_rejected)
+
+__all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS"]
+
+logger = logging.getLogger("celery_leases.metrics")
+
+#: Buckets (seconds) of the time-to-recovery histogram: a lease's ttl plus a
+#: recovery interval is the floor; long tasks that died late reach hours.
+TIME_TO_RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
+
+_enabled: "weakref.WeakKeyDictionary[Any, LeaseMetrics]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+class LeaseMetrics:
+    """The collectors of one app and the signal receivers that feed them."""
+
+    def __init__(self, app: Any, registry: Any = None, namespace: str = "celery_leases") -> None:
+        self.app = app
+        registry = prometheus_client.REGISTRY if registry is None else registry
+        kw = {"namespace": namespace, "registry": registry}
+        C, H = prometheus_client.Counter, prometheus_client.Histogram
+        self.acquired = C("acquired", "Deliveries that became the lease owner (taken_over: the "
+                          "previous owner had expired).", ["taken_over"], **kw)
+        self.renewed = C("renewed", "Leases renewed by heartbeat ticks (one per lease per tick).", **kw)
+        self.lost = C("lost", "Held leases a heartbeat found lost, by reason.", ["reason"], **kw)
+        self.recovered = C("recovered", "Tasks re-published by a recovery pass.", **kw)
+        self.dead = C("dead", "Tasks declared dead after leases_max_recoveries.", **kw)
+        self.refused = C("refused", "Outcomes of stale owners refused, by outcome.", ["outcome"], **kw)
+        self.time_to_recovery = H(
+            "time_to_recovery_seconds", "From the last owner's acquisition of the lease to its "
+            "re-publication by a recovery pass.", buckets=TIME_TO_RECOVERY_BUCKETS, **kw)
+        self._collectors = [self.acquired, self.renewed, self.lost, self.recovered, self.dead,
+                            self.refused, self.time_to_recovery]
+        self._registry = registry
+        self._receivers = [
+            (lease_acquired, self._on_acquired), (leases_renewed, self._on_renewed),
+            (lease_lost, self._on_lost), (lease_recovered, self._on_recovered),
+            (lease_dead, self._on_dead), (stale_outcome_rejected, self._on_refused),
+        ]
+        for signal, receiver in self._receivers:
+            signal.connect(receiver, weak=False)
+
+    def disable(self) -> None:
+        """Disconnect the receivers and unregister the collectors."""
+        for signal, receiver in self._receivers:
+            signal.disconnect(receiver)
+        for collector in self._collectors:
+            try:
+                self._registry.unregister(collector)
+            except KeyError:
+                pass
+        with _lock:
+            if _enabled.get(self.app) is self:
+                del _enabled[self.app]
+
+    # -- receivers ----------------------------------------------------------
+
+    def _ours(self, sender: Any) -> bool:
+        """Signals are process-wide: count only those of this app (sender: the app or a task)."""
+        return sender is None or sender is self.app or getattr(sender, "app", None) is self.app
+
+    def _on_acquired(self, sender: Any = None, taken_over: bool = False, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.acquired.labels(taken_over="true" if taken_over else "false").inc()
+
+    def _on_renewed(self, sender: Any = None, renewed: int = 0, **kwargs: Any) -> None:
+        if self._ours(sender) and renewed:
+            self.renewed.inc(renewed)
+
+    def _on_lost(self, sender: Any = None, reason: str = "", **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.lost.labels(reason=reason or "unknown").inc()
+
+    def _on_recovered(self, sender: Any = None, recovered_after: float | None = None,
+                      **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.recovered.inc()
+            if recovered_after is not None:
+                self.time_to_recovery.observe(recovered_after)
+
+    def _on_dead(self, sender: Any = None, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.dead.inc()
+
+    def _on_refused(self, sender: Any = None, outcome: str = "", **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.refused.labels(outcome=outcome or "unknown").inc()
+
+
+def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celery_leases") -> LeaseMetrics:
+    """Export celery-leases' signals of ``app`` as Prometheus metrics in ``registry``.
+
+    ``registry`` defaults to prometheus_client's global ``REGISTRY`` (serve it
+    with ``prometheus_client.start_http_server(port)``). Calling it again for
+    the same app returns the metrics already enabled. Metric names:
+    ``<namespace>_acquired_total{taken_over}``, ``_renewed_total``,
+    ``_lost_total{reason}``, ``_recovered_total``, ``_dead_total``,
+    ``_refused_total{outcome}``, ``_time_to_recovery_seconds`` (histogram).
+    """
+    with _lock:
+        metrics = _enabled.get(app)
+        if metrics is None:
+            metrics = _enabled[app] = LeaseMetrics(app, registry, namespace)
+            logger.info("celery-leases: Prometheus metrics enabled (namespace %s)", namespace)
+        return metrics
