@@ -7,6 +7,7 @@ write ``CELERY_LEASES_TTL``.
 """
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -106,6 +107,19 @@ def get_config(app: Any, **overrides: Any) -> LeaseConfig:
 
 
 def build_config(app: Any, **overrides: Any) -> LeaseConfig:
+    try:
+        return _build_config(app, **overrides)
+    except ConfigurationError as exc:
+        namespace = getattr(app, "namespace", None)
+        if not namespace:
+            raise
+        # Name the setting as the user wrote it (Django: CELERY_LEASES_TTL).
+        message = re.sub(r"\bleases_(\w+)",
+                         lambda m: f"{namespace.upper()}_LEASES_{m.group(1).upper()}", str(exc))
+        raise ConfigurationError(message) from None
+
+
+def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
     conf = app.conf
 
     def setting(field: str, default: Any) -> Any:

@@ -125,3 +125,13 @@ def test_eager_mode_runs_without_a_lease():
     assert eager.delay(4).get() == (4, None, False)
     assert eager.apply((5,)).get() == (5, None, False)
     assert eager(6) == (6, None, False)
+
+
+def test_django_namespace_errors_name_the_setting_as_written():
+    class Broken(DjangoSettings):
+        CELERY_LEASES_TTL = -1
+
+    app = Celery("django_proj")
+    app.config_from_object(Broken, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match="CELERY_LEASES_TTL"):
+        get_config(app)
