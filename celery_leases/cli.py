@@ -208,14 +208,10 @@ def ls(ctx: click.Context, state: str | None, limit: int, as_json: bool) -> None
     store = _store(ctx)
     if state in (None, ACTIVE):
         source, records = "index", _indexed(store, limit, state)
+    elif state == "finished":
+        source, records = "scan", [r for r in store.scan() if r.state in TERMINAL_STATES][:limit]
     else:
-        wanted = TERMINAL_STATES if state == "finished" else None if state == "all" else {state}
-        source, records = "scan", []
-        for record in store.scan():
-            if wanted is None or record.state in wanted:
-                records.append(record)
-                if len(records) >= limit:
-                    break
+        source, records = "scan", store.scan(state=None if state == "all" else state, limit=limit)
     now = store.server_time_ms()
     if as_json:
         _emit_json({"prefix": _prefix(ctx), "source": source, "now_ms": now,

@@ -522,7 +522,7 @@ class LeaseStore:
         return out
 
     def purge(self, older_than: float = 0.0, *, dry_run: bool = False, count: int = 500) -> int:
-        """Delete finished records (succeeded, failed, revoked, dead) finished ``older_than`` seconds ago or more.
+        """Delete finished records (succeeded, failed, revoked, dead) at least ``older_than`` seconds old.
 
         Never deletes an active or recovering record (purge.lua checks and
         deletes atomically). Ages are measured on the Redis server's clock.
@@ -544,7 +544,10 @@ class LeaseStore:
         return purged
 
     def held_for(self, task_id: str) -> float | None:
-        """Seconds since the current or last owner of ``task_id`` acquired it (server clock); None without a record."""
+        """Seconds since the current or last owner of ``task_id`` acquired it, by the server clock.
+
+        None when there is no record (or it was never acquired).
+        """
         key = self.keys.record(task_id)
 
         def read() -> list:

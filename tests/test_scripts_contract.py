@@ -193,6 +193,7 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     store.complete_step("t1", "w", again.token, "step")
     fenced_set(store.client, store.keys, "r", again.token, "v")
     store.finish("t1", "w", again.token, "succeeded")
+    store.purge()
     store.client.close()
 
     # Then each got exactly its documented keys and arguments, or more for variadic ones
