@@ -34,3 +34,29 @@ bench: venv
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# -- documentation -------------------------------------------------------------
+# The Sphinx site (MyST reads the Markdown pages of docs/ as they are); any
+# warning fails the build. Output: docs/_build/html/index.html.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[docs]'
+	touch $@
+
+.PHONY: docs
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W -b html docs docs/_build/html
+
+# -- chaos ---------------------------------------------------------------------
+# The long form of the chaos suite (tests/test_chaos.py runs the short form):
+# the same seeded workload and faults with celery-leases and with plain Celery,
+# one table side by side; exits 1 if leases mode breaks an invariant (docs/chaos.md).
+SEED ?= 1
+TASKS ?= 2000
+DURATION ?= 600
+WORKERS ?= 3
+
+.PHONY: chaos
+chaos: venv
+	$(VENV)/bin/python -m chaos.run --seed $(SEED) --tasks $(TASKS) --duration $(DURATION) --workers $(WORKERS) --mode both
