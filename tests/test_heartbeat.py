@@ -1,0 +1,62 @@
+"""The heartbeat thread: one call per tick, lost leases flagged, Redis errors survived."""
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from celery_leases import Code, LeaseStore
+from celery_leases.heartbeat import Heartbeat, Held
+from tests.redis_server import RedisServer
+from tests.workers import wait_for
+
+
+def test_one_renew_call_per_tick_and_lost_leases_flagged(redis_server_url, key_prefix):
+    # Given a heartbeat holding 50 leases, one of which another owner takes over
+    store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=1)
+    lost = []
+    beat = Heartbeat(store, "w1", 0.2, lambda task_id, held, code: lost.append((task_id, code)))
+    for n in range(50):
+        acq = store.acquire(f"t{n}", "w1", ttl=1)
+        beat.add(f"t{n}", Held(acq.token, ttl=1))
+    calls = []
+    real = store.renew_many
+    store.renew_many = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    store.release("w1", {"t7": beat.held["t7"].token})
+    store.acquire("t7", "w2", ttl=1)
+    # When it ticks
+    beat.tick()
+    # Then one call renewed the 49 and reported t7 lost; the task can see it
+    assert len(calls) == 1
+    assert lost == [("t7", Code.LOST)]
+    assert beat.is_lost("t7", beat.held["t7"].token) and not beat.is_lost("t8", beat.held["t8"].token)
+
+
+def test_redis_errors_are_logged_counted_and_retried(tmp_path, key_prefix, caplog):
+    # Given a heartbeat thread on a Redis that goes away for a while
+    server = RedisServer(dir=tmp_path)
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        store = LeaseStore(client, prefix=key_prefix, ttl=30)
+        beat = Heartbeat(store, "w1", 0.1, lambda *a: None)
+        acq = store.acquire("t1", "w1", ttl=30)
+        beat.add("t1", Held(acq.token, ttl=30))
+        caplog.set_level(logging.WARNING, logger="celery_leases.heartbeat")
+        beat.start()
+        wait_for(lambda: beat.ticks >= 2, 5, what="healthy ticks")
+        # When Redis stops, ticks fail: logged and counted, the thread keeps going
+        server.stop()
+        wait_for(lambda: beat.consecutive_failures >= 3, 10, what="failed ticks")
+        assert beat._thread.is_alive()
+        assert "could not renew" in caplog.text
+        # And when Redis is back (AOF off: the lease is gone), the next tick works again
+        server.start()
+        store.acquire("t1", "w1", ttl=30)
+        wait_for(lambda: beat.consecutive_failures == 0, 10, what="a successful tick")
+        assert "recovered after" in caplog.text and beat.failures >= 3
+        beat.stop()
+        assert not beat._thread.is_alive()
+    finally:
+        server.stop()
