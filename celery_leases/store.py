@@ -328,9 +328,11 @@ class LeaseStore:
                     if claim.error is not None and claim.code is not Code.DEAD:
                         raise claim.error
                     if claim.code is Code.DEAD:
-                        report.dead += 1
+                        # Confirmed only once the notice is out; else handed out again.
                         if on_dead is not None:
                             on_dead(claim)
+                        published.append(claim)
+                        report.dead += 1
                     else:
                         publish(claim)
                         published.append(claim)

@@ -15,12 +15,14 @@
     KEYS[3..n] record hash of each candidate, in the order of the ids below
     ARGV[1] max recoveries of records that do not carry their own
     ARGV[2] publish grace in ms
-    ARGV[3] retention in ms of records that turn dead
+    ARGV[3] retention in ms (unused; kept for a stable argument list)
     ARGV[4..] task id of the record KEYS[k] (ARGV[k+1] for KEYS[k])
 
   Output: list of {task id, code, generation, recoveries, name, body, envelope}
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
-    DEAD       past max recoveries: the record is now dead (body kept for a dead-letter queue)
+    DEAD       past max recoveries: the record is now dead. The caller stores the failure
+               (and may dead-letter the body), then confirms with mark_published; an
+               unconfirmed dead record is handed out again after the publish grace
 ]]
 local deadlines, stats = KEYS[1], KEYS[2]
 local max_recoveries, grace, retention = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -33,7 +35,14 @@ for k = 3, #KEYS do
   local rec = read(key, 'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries')
   local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
   local state = rec.state
-  if state ~= 'active' and state ~= 'recovering' then
+  if state == 'dead' and deadline and deadline <= now then
+    -- Declared dead by an earlier pass whose notice (LeaseExpired stored,
+    -- waiters released) was never confirmed: hand it out again.
+    local body = redis.call('HMGET', key, 'body', 'envelope')
+    redis.call('ZADD', deadlines, now + grace, task_id)
+    table.insert(out, {task_id, 6, num(rec, key, 'generation'), num(rec, key, 'recoveries'),
+                       rec.name or '', body[1] or '', body[2] or ''})
+  elseif state ~= 'active' and state ~= 'recovering' then
     -- Finished, expired or missing: the index entry is left over.
     if not state or state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
       redis.call('ZREM', deadlines, task_id)
@@ -48,10 +57,11 @@ for k = 3, #KEYS do
     local limit = max_recoveries
     if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
     if counted and recoveries >= limit then
+      -- Dead; the message stays until the caller confirms its notice
+      -- (mark_published), and the index entry brings it back if it never does.
       redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
-      redis.call('HDEL', key, 'body', 'envelope', 'holder')
-      redis.call('ZREM', deadlines, task_id)
-      redis.call('PEXPIRE', key, retention)
+      redis.call('HDEL', key, 'holder')
+      redis.call('ZADD', deadlines, now + grace, task_id)
       dead = dead + 1
       table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
     else

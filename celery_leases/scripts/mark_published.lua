@@ -1,5 +1,6 @@
 --[[
-  mark_published: confirm that a claimed lease's message was re-published.
+  mark_published: confirm that a claimed lease's message was re-published
+  (or, for a dead task, that its failure was stored).
 
   From then on the broker holds the task: the record leaves the deadline index
   and waits (for the retention period at most) for the delivery that carries
@@ -20,8 +21,9 @@ for k = 2, #KEYS do
   local key = KEYS[k]
   local task_id, generation = ARGV[2 * k - 2], ARGV[2 * k - 1]
   local v = wrongtype(key, redis.pcall('HMGET', key, 'state', 'generation'))
-  if v[1] == 'recovering' and v[2] == generation then
+  if (v[1] == 'recovering' or v[1] == 'dead') and v[2] == generation then
     redis.call('ZREM', deadlines, task_id)
+    if v[1] == 'dead' then redis.call('HDEL', key, 'body', 'envelope') end
     redis.call('PEXPIRE', key, retention)
     confirmed = confirmed + 1
   end
