@@ -62,8 +62,12 @@ def test_whole_worker_killed_task_reruns_for_the_original_waiter(acks_late, clie
 
 
 
-def test_poison_pill_is_dead_after_max_recoveries(client_app, start_worker, history, celery_env):
-    # Given a task that SIGKILLs its whole worker every time it runs, and max_recoveries = 2
+def test_poison_pill_is_dead_after_max_recoveries(celery_env, start_worker, history, key_prefix):
+    # Given a task that SIGKILLs its whole worker every time it runs, max_recoveries = 2,
+    # and a dead-letter queue
+    from tests.apps.leased_app import create_app
+    dead_letters = f"{key_prefix}-dead"
+    client_app = create_app({**celery_env, "LEASES_TEST_DLQ": dead_letters})
     store = celery_leases.store(client_app)
     result = client_app.signature(f"{TASKS}.kill_own_worker").delay()
     generation = 0
@@ -85,6 +89,16 @@ def test_poison_pill_is_dead_after_max_recoveries(client_app, start_worker, hist
     assert record.state == "dead" and record.recoveries == 2
     with pytest.raises(LeaseExpired):
         result.get(timeout=10)
+    # And its original message waits in the dead-letter queue for inspection
+    with client_app.connection_for_read() as conn:
+        channel = conn.default_channel
+        message = wait_for(lambda: channel.basic_get(dead_letters, no_ack=True), 5,
+                           what="the dead letter")
+        assert message.headers["id"] == result.id and message.headers["lease_dead"] is True
+        try:
+            channel.queue_delete(dead_letters)
+        except Exception:  # noqa: BLE001 - best effort cleanup (RabbitMQ keeps durable queues)
+            pass
 
 
 def test_two_recoverers_over_500_expired_leases_rerun_each_once(client_app, start_worker, history):
