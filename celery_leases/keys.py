@@ -27,6 +27,14 @@ class Keys:
         """Hash holding one task's lease record."""
         return f"{self.tag}:lease:{task_id}"
 
+    def message(self, task_id: str) -> str:
+        """Hash holding the message a recovery would re-publish (body, envelope).
+
+        Kept apart from the record so the record stays small enough for
+        Redis's compact hash encoding, and is deleted when the task finishes.
+        """
+        return f"{self.tag}:msg:{task_id}"
+
     @property
     def deadlines(self) -> str:
         """Sorted set: task id -> deadline (ms, server clock) of active/recovering leases."""

@@ -52,7 +52,8 @@ class LeaseRecord:
     has_message: bool = False
 
     @classmethod
-    def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0) -> "LeaseRecord":
+    def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0,
+              has_message: bool = False) -> "LeaseRecord":
         data = {k.decode(): v for k, v in raw.items()}
         values: dict[str, Any] = {}
         for name in _INT_FIELDS:
@@ -68,17 +69,18 @@ class LeaseRecord:
                                 f"missing or unreadable: {exc!r}") from None
         history = []
         try:
-            for entry in (data.get("history") or b"").decode().split("|"):
-                if entry:
-                    token, rest = entry.split("@", 1)
+            for name, entry in data.items():
+                if name.startswith("h:"):
+                    token, rest = entry.decode().split("@", 1)
                     owner, at = rest.rsplit("@", 1)
                     history.append((int(token), owner, int(at)))
         except ValueError:
-            raise CorruptRecord(f"lease record {key} of task {task_id}: field history is corrupt") from None
+            raise CorruptRecord(f"lease record {key} of task {task_id}: a history field is corrupt") from None
+        history.sort()
         return cls(task_id=task_id, state=state, owner=(data.get("owner") or b"").decode(),
                    deadline=deadline,
                    name=(data.get("name") or b"").decode(), history=tuple(history),
-                   has_message=bool(data.get("body")), **values)
+                   has_message=has_message, **values)
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,7 @@ class LeaseStore:
         key = self.keys.record(task_id)
         code, token, gen, recoveries, state = self._run(
             scripts.acquire,
-            (key, self.keys.deadlines, self.keys.sequence, self.keys.stats),
+            (key, self.keys.deadlines, self.keys.sequence, self.keys.stats, self.keys.message(task_id)),
             (task_id, owner, _ms(self.ttl if ttl is None else ttl), int(generation), int(attempt),
              self.max_recoveries if max_recoveries is None else int(max_recoveries),
              _ms(progress_timeout), name, body,
@@ -221,7 +223,7 @@ class LeaseStore:
                              f"expected one of {OUTCOMES}")
         key = self.keys.record(task_id)
         code, current, state = self._run(
-            scripts.finish, (key, self.keys.deadlines, self.keys.stats),
+            scripts.finish, (key, self.keys.deadlines, self.keys.stats, self.keys.message(task_id)),
             (task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
              _ms(self.publish_grace if retry_grace is None else retry_grace)),
             f"task {task_id}, key {key}")
@@ -271,7 +273,9 @@ class LeaseStore:
             ids = self.expired(limit or self.recover_batch)
         if not ids:
             return []
-        keys = [self.keys.deadlines, self.keys.stats] + [self.keys.record(t) for t in ids]
+        keys = [self.keys.deadlines, self.keys.stats]
+        for t in ids:
+            keys += [self.keys.record(t), self.keys.message(t)]
         rows = self._run(scripts.claim_expired, keys,
                          [self.max_recoveries, _ms(self.publish_grace), _ms(self.retention), *ids],
                          f"{len(ids)} expired leases")
@@ -284,7 +288,7 @@ class LeaseStore:
             except ValueError:
                 # Reported by the recovery pass; the rest of the batch goes on.
                 env = {}
-                error = CorruptRecord(f"lease record {self.keys.record(task_id)} of task {task_id} "
+                error = CorruptRecord(f"message {self.keys.message(task_id)} of task {task_id} "
                                       f"holds an envelope that is not JSON")
             claims.append(Claim(task_id, Code(code), int(gen), int(recoveries),
                                 name.decode(), body, env, error))
@@ -295,7 +299,9 @@ class LeaseStore:
         claims = list(claims)
         if not claims:
             return 0
-        keys = [self.keys.deadlines] + [self.keys.record(c.task_id) for c in claims]
+        keys = [self.keys.deadlines]
+        for c in claims:
+            keys += [self.keys.record(c.task_id), self.keys.message(c.task_id)]
         args: list[Any] = [_ms(self.retention)]
         for c in claims:
             args += [c.task_id, c.generation]
@@ -391,12 +397,13 @@ class LeaseStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(key)
             pipe.zscore(self.keys.deadlines, task_id)
+            pipe.exists(self.keys.message(task_id))
             return pipe.execute()
 
-        raw, deadline = self._read(read, f"reading {key} of task {task_id}")
+        raw, deadline, has_message = self._read(read, f"reading {key} of task {task_id}")
         if not raw:
             return None
-        return LeaseRecord.parse(task_id, key, raw, int(deadline or 0))
+        return LeaseRecord.parse(task_id, key, raw, int(deadline or 0), bool(has_message))
 
     def check(self, task_id: str, owner: str, token: int) -> None:
         """Raise LeaseLost unless ``owner`` with ``token`` still holds ``task_id``'s lease."""
@@ -472,30 +479,28 @@ class LeaseStore:
         if not task_ids:
             return []
         keys = [self.keys.record(t) for t in task_ids]
-        fields = ("state", "owner", "name", "history", *_INT_FIELDS)
+        fields = ("state", "owner", "name", *_INT_FIELDS, *(f"h:{n}" for n in range(16)))
 
         def read() -> list:
             pipe = self.client.pipeline(transaction=False)
             for key, task_id in zip(keys, task_ids):
                 pipe.hmget(key, fields)
-                pipe.hstrlen(key, "body")
+                pipe.exists(self.keys.message(task_id))
                 pipe.zscore(self.keys.deadlines, task_id)
             return pipe.execute(raise_on_error=False)
 
         rows = self._read(read, f"reading {len(keys)} lease records")
         out = []
         for i, (key, task_id) in enumerate(zip(keys, task_ids)):
-            values, body_len, deadline = rows[3 * i:3 * i + 3]
+            values, has_message, deadline = rows[3 * i:3 * i + 3]
             try:
-                for value in (values, body_len, deadline):
+                for value in (values, has_message, deadline):
                     if isinstance(value, ResponseError):  # e.g. WRONGTYPE: not a hash
                         raise CorruptRecord(f"lease record {key} of task {task_id}: {value}")
                 if values[0] is None:  # gone (expired or purged) since it was listed
                     continue
                 raw = {f.encode(): v for f, v in zip(fields, values) if v is not None}
-                if body_len:
-                    raw[b"body"] = b"1"
-                out.append(LeaseRecord.parse(task_id, key, raw, int(deadline or 0)))
+                out.append(LeaseRecord.parse(task_id, key, raw, int(deadline or 0), bool(has_message)))
             except CorruptRecord as exc:
                 if not skip_corrupt:
                     raise

@@ -116,7 +116,10 @@ def test_acquire_fresh_task_gives_an_active_lease_with_server_clock_deadline(sto
     assert (rec.state, rec.owner, rec.token, rec.name) == ("active", A, acq.token, "proj.add")
     assert before + 2000 <= rec.deadline <= after + 2000
     assert rec.ttl == 2000 and rec.has_message
-    assert json.loads(fields(store, "t1")["envelope"]) == ENVELOPE
+    message = store.client.hgetall(store.keys.message("t1"))
+    assert json.loads(message[b"envelope"]) == ENVELOPE and message[b"body"] == BODY
+    # (the message lives beside the record, which stays small)
+    assert "envelope" not in fields(store, "t1") and "body" not in fields(store, "t1")
     # And it is indexed by that deadline and has no TTL of its own
     assert indexed(store) == {"t1": rec.deadline}
     assert pttl(store, "t1") == -1
@@ -271,7 +274,7 @@ def test_finish_by_the_owner_records_the_outcome_and_keeps_it_for_retention(make
     assert (rec.state, rec.token, rec.owner) == (outcome, acq.token, A)
     assert rec.finished_at >= rec.acquired_at > 0
     assert not rec.has_message
-    assert "body" not in fields(store, "t1") and "envelope" not in fields(store, "t1")
+    assert not store.client.exists(store.keys.message("t1"))
     assert indexed(store) == {}
     # And it expires after the retention period
     assert 29_000 < pttl(store, "t1") <= 30_000
@@ -1109,7 +1112,7 @@ def test_batch_scripts_name_a_key_of_the_wrong_type(store):
 def test_a_corrupt_envelope_is_a_corrupt_record_naming_the_key(store):
     # Given an expired lease whose stored envelope is not JSON
     acquire(store, "t1", A, ttl=SHORT)
-    key = store.keys.record("t1")
+    key = store.keys.message("t1")
     store.client.hset(key, "envelope", b"{not json")
     wait_out()
 
@@ -1126,7 +1129,7 @@ def test_a_corrupt_envelope_does_not_starve_the_healthy_leases_of_its_batch(make
     store = make_store(publish_grace=SHORT)
     acquire(store, "healthy", A, ttl=SHORT)
     acquire(store, "corrupt", A, ttl=SHORT)
-    store.client.hset(store.keys.record("corrupt"), "envelope", b"{not json")
+    store.client.hset(store.keys.message("corrupt"), "envelope", b"{not json")
     wait_out()
 
     # When two recovery passes run
@@ -1141,7 +1144,7 @@ def test_a_corrupt_envelope_does_not_starve_the_healthy_leases_of_its_batch(make
         wait_out()
 
     # Then the corrupt record is reported by key, and the healthy lease re-published
-    assert any(store.keys.record("corrupt") in r for r in reported)
+    assert any(store.keys.message("corrupt") in r for r in reported)
     assert [c.task_id for c in rec.published] == ["healthy"]
 
 

@@ -6,7 +6,7 @@
   wrongtype(key, reply)      a pcall reply, or an error naming the key (a key of the wrong type)
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
-  with_history(old, entry)   the history string with entry appended (last 16 kept)
+  history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
 ]]
 local function now_ms()
   local t = redis.call('TIME')
@@ -38,10 +38,8 @@ local function num(rec, key, field)
   return n
 end
 
-local function with_history(old, entry)
-  if not old or #old == 0 then return entry end
-  local h = old .. '|' .. entry
-  local _, bars = string.gsub(h, '|', '')
-  if bars >= 16 then h = string.sub(h, string.find(h, '|', 1, true) + 1) end
-  return h
+local function history_fields(key, count, entry)
+  -- The last 16 owners, one small field each ("h:0".."h:15", ring by count),
+  -- so the record keeps Redis's compact hash encoding.
+  return 'h:' .. (count % 16), entry, 'hn', count + 1
 end

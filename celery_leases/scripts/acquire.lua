@@ -12,6 +12,7 @@
     KEYS[2] deadlines sorted set
     KEYS[3] token sequence counter
     KEYS[4] stats hash
+    KEYS[5] message hash of the task (body, envelope)
     ARGV[1] task id
     ARGV[2] owner (worker instance id)
     ARGV[3] ttl in ms
@@ -32,7 +33,7 @@
     STALE       the message is an older copy than the record
     DEAD        taking over would pass max recoveries: the record is now dead
 ]]
-local key, deadlines, seq, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local key, deadlines, seq, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner = ARGV[1], ARGV[2]
 local ttl = tonumber(ARGV[3])
 local msg_gen, msg_attempt = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -40,7 +41,7 @@ local max_recoveries = tonumber(ARGV[6])
 local progress_timeout = tonumber(ARGV[7])
 
 local now = now_ms()
-local rec = read(key, 'state', 'token', 'generation', 'recoveries', 'attempt', 'history', 'unstarted')
+local rec = read(key, 'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted')
 local state = rec.state
 local token = num(rec, key, 'token')
 local generation = num(rec, key, 'generation')
@@ -69,7 +70,8 @@ if state then
       code = 2
     elseif recoveries >= max_recoveries then
       redis.call('HSET', key, 'state', 'dead', 'finished_at', now, 'owner', '')
-      redis.call('HDEL', key, 'body', 'envelope', 'holder')
+      redis.call('HDEL', key, 'holder')
+      redis.call('DEL', message)
       redis.call('ZREM', deadlines, task_id)
       redis.call('PEXPIRE', key, tonumber(ARGV[11]))
       redis.call('HINCRBY', stats, 'dead', 1)
@@ -97,12 +99,12 @@ local fields = {
   'recoveries', recoveries, 'attempt', msg_attempt,
   'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
   'acquired_at', now, 'name', ARGV[8], 'unstarted', '0', 'max_recoveries', max_recoveries,
-  'history', with_history(rec.history, new_token .. '@' .. owner .. '@' .. now)}
-if ARGV[9] ~= '' then
-  table.insert(fields, 'body'); table.insert(fields, ARGV[9])
-  table.insert(fields, 'envelope'); table.insert(fields, ARGV[10])
-end
+  history_fields(key, num(rec, key, 'hn'), new_token .. '@' .. owner .. '@' .. now)}
 redis.call('HSET', key, unpack(fields))
+if ARGV[9] ~= '' then
+  redis.call('HSET', message, 'body', ARGV[9], 'envelope', ARGV[10])
+  redis.call('PERSIST', message)
+end
 redis.call('PERSIST', key)
 redis.call('ZADD', deadlines, deadline, task_id)
 redis.call('HINCRBY', stats, 'acquired', 1)

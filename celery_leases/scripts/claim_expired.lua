@@ -12,11 +12,11 @@
   Input:
     KEYS[1] deadlines sorted set
     KEYS[2] stats hash
-    KEYS[3..n] record hash of each candidate, in the order of the ids below
+    KEYS[3..n] record hash and message hash of each candidate, in pairs, in the order of the ids below
     ARGV[1] max recoveries of records that do not carry their own
     ARGV[2] publish grace in ms
     ARGV[3] retention in ms (unused; kept for a stable argument list)
-    ARGV[4..] task id of the record KEYS[k] (ARGV[k+1] for KEYS[k])
+    ARGV[4..] task id of each pair (ARGV[3+i] for KEYS[1+2i], KEYS[2+2i])
 
   Output: list of {task id, code, generation, recoveries, name, body, envelope}
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
@@ -30,15 +30,15 @@ local now = now_ms()
 local out = {}
 local recovered, dead = 0, 0
 
-for k = 3, #KEYS do
-  local key, task_id = KEYS[k], ARGV[k + 1]
+for i = 1, (#KEYS - 2) / 2 do
+  local key, message, task_id = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[3 + i]
   local rec = read(key, 'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries')
   local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
   local state = rec.state
   if state == 'dead' and deadline and deadline <= now then
     -- Declared dead by an earlier pass whose notice (LeaseExpired stored,
     -- waiters released) was never confirmed: hand it out again.
-    local body = redis.call('HMGET', key, 'body', 'envelope')
+    local body = redis.call('HMGET', message, 'body', 'envelope')
     redis.call('ZADD', deadlines, now + grace, task_id)
     table.insert(out, {task_id, 6, num(rec, key, 'generation'), num(rec, key, 'recoveries'),
                        rec.name or '', body[1] or '', body[2] or ''})
@@ -52,7 +52,7 @@ for k = 3, #KEYS do
   elseif deadline and deadline <= now then
     local generation = num(rec, key, 'generation') + 1
     local recoveries = num(rec, key, 'recoveries')
-    local body = redis.call('HMGET', key, 'body', 'envelope')
+    local body = redis.call('HMGET', message, 'body', 'envelope')
     local counted = state == 'active' and rec.unstarted ~= '1'
     local limit = max_recoveries
     if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end

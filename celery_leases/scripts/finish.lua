@@ -11,6 +11,7 @@
     KEYS[1] record hash of the task
     KEYS[2] deadlines sorted set
     KEYS[3] stats hash
+    KEYS[4] message hash of the task
     ARGV[1] task id
     ARGV[2] owner (worker instance id)
     ARGV[3] token of the caller (0 with outcome revoked: forced revoke)
@@ -25,7 +26,7 @@
     FINISHED  the record was already terminal
     MISSING   there is no record for this task id
 ]]
-local key, deadlines, stats = KEYS[1], KEYS[2], KEYS[3]
+local key, deadlines, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local retention = tonumber(ARGV[5])
 
@@ -56,7 +57,8 @@ if outcome ~= 'succeeded' and outcome ~= 'failed' and outcome ~= 'revoked' then
   return redis.error_reply('ERR finish: unknown outcome ' .. tostring(outcome) .. ' for ' .. key)
 end
 redis.call('HSET', key, 'state', outcome, 'finished_at', now)
-redis.call('HDEL', key, 'body', 'envelope', 'holder')
+redis.call('HDEL', key, 'holder')
+redis.call('DEL', message)
 redis.call('ZREM', deadlines, task_id)
 redis.call('PEXPIRE', key, retention)
 redis.call('HINCRBY', stats, outcome, 1)

@@ -8,22 +8,26 @@
 
   Input:
     KEYS[1] deadlines sorted set
-    KEYS[2..n] record hash of each lease, in the order of the pairs below
+    KEYS[2..n] record hash and message hash of each lease, in pairs, in the order below
     ARGV[1] retention in ms
-    ARGV[2k], ARGV[2k+1] task id and generation of the record KEYS[k+1]
+    ARGV[2k], ARGV[2k+1] task id and generation of the pair KEYS[2k], KEYS[2k+1]
 
   Output: number of records confirmed (OK for each; a record acquired,
   finished or re-claimed meanwhile is left alone)
 ]]
 local deadlines, retention = KEYS[1], tonumber(ARGV[1])
 local confirmed = 0
-for k = 2, #KEYS do
-  local key = KEYS[k]
-  local task_id, generation = ARGV[2 * k - 2], ARGV[2 * k - 1]
+for i = 1, (#KEYS - 1) / 2 do
+  local key, message = KEYS[2 * i], KEYS[2 * i + 1]
+  local task_id, generation = ARGV[2 * i], ARGV[2 * i + 1]
   local v = wrongtype(key, redis.pcall('HMGET', key, 'state', 'generation'))
   if (v[1] == 'recovering' or v[1] == 'dead') and v[2] == generation then
     redis.call('ZREM', deadlines, task_id)
-    if v[1] == 'dead' then redis.call('HDEL', key, 'body', 'envelope') end
+    if v[1] == 'dead' then
+      redis.call('DEL', message)
+    else
+      redis.call('PEXPIRE', message, retention)
+    end
     redis.call('PEXPIRE', key, retention)
     confirmed = confirmed + 1
   end

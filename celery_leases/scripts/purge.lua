@@ -29,8 +29,10 @@ for k = 2, #KEYS do
     local state = rec.state
     -- A finished_at that is not a number leaves the record alone rather than failing the batch.
     local finished_at = tonumber(rec.finished_at or '0')
+    -- A dead record still in the index has a failure notice pending: keep it.
+    local pending = state == 'dead' and redis.call('ZSCORE', deadlines, ARGV[k])
     if (state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead')
-        and finished_at and finished_at <= cutoff then
+        and not pending and finished_at and finished_at <= cutoff then
       redis.call('DEL', key)
       redis.call('ZREM', deadlines, ARGV[k])
       purged = purged + 1
