@@ -11,10 +11,10 @@ DEMO := $(firstword $(wildcard examples/quickstart/demo.py) examples/payments/ru
 venv: $(STAMP)
 
 # Re-install only when the package metadata changes (or the package appears).
-$(STAMP): setup.py $(PKG_MARK)
+$(STAMP): setup.py Makefile $(PKG_MARK)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -e '.[test]'
+	$(VENV)/bin/pip install -e '.[test,docs]'
 	touch $@
 
 $(VENV)/.has-package:

@@ -62,17 +62,24 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the main process and its pool children at once (a host or OOM kill)."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            self._log.close()
             return
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        self._log.close()
 
     def stop(self, timeout: float = 15.0) -> None:
         """Warm shutdown (SIGTERM), then SIGKILL if it does not exit."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            self._log.close()
             return
         try:
             os.killpg(self.pid, signal.SIGCONT)
@@ -82,6 +89,7 @@ class Worker:
             self.kill()
         except ProcessLookupError:
             pass
+        self._log.close()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
