@@ -7,7 +7,8 @@ Usage, from the repository root::
 Starts a throwaway ``redis-server`` on a free loopback port (no persistence),
 or uses ``$REDIS_URL`` if set; then only keys under fresh prefixes are touched
 and deleted afterwards, and the server's command statistics are read but not
-reset (``CONFIG RESETSTAT`` is sent to the throwaway server only). Prints one Markdown table and writes the raw results as JSON
+reset (``CONFIG RESETSTAT`` is sent to the throwaway server only). Prints one Markdown table
+and writes the raw results as JSON
 (default ``bench/results-store.json``, which git ignores).
 
 What is measured, all on one connection from one client, sequentially:

@@ -245,7 +245,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
     workers = item.stash.get(_WORKERS, None)
     if not workers:
         return
-    report = outcome.get_result()
+    report = outcome.get_result()  # type: ignore[attr-defined]
     if report.failed and report.when in ("call", "setup"):
         for worker in workers:
             report.sections.append((f"celery-leases worker {worker.name} log", worker.log_tail()))

@@ -1,7 +1,6 @@
 """Recovery on real workers: a killed worker's tasks run again under the same id."""
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from datetime import datetime, timedelta, timezone

@@ -7,7 +7,7 @@ import pytest
 
 import celery_leases
 from tests.redis_server import RedisServer
-from tests.workers import Worker, wait_for
+from tests.workers import Worker
 
 TASKS = "tests.apps.leased_app"
 

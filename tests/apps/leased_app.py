@@ -49,7 +49,6 @@ def create_app(env: Mapping[str, str]) -> Celery:
     )
     celery_leases.install(app)
     sink = redis.Redis.from_url(app.conf.leases_redis_url)
-    pool = get("LEASES_TEST_POOL", "prefork")
 
     def record(event: str, task_id: str, **fields: object) -> None:
         """Append an execution event to the test's history list."""
