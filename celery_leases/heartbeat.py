@@ -59,9 +59,17 @@ class Heartbeat:
         if held.interval < self.interval:
             self._wake.set()
 
-    def forget(self, task_id: str) -> Held | None:
+    def forget(self, task_id: str, token: int | None = None) -> Held | None:
+        """Stop renewing ``task_id``; with ``token``, only if the held lease is that one.
+
+        Another delivery of the same task id (a refused duplicate) must not
+        stop the renewal of the owner's lease.
+        """
         with self.lock:
-            return self.held.pop(task_id, None)
+            held = self.held.get(task_id)
+            if held is None or (token is not None and held.token != token):
+                return None
+            return self.held.pop(task_id)
 
     def is_lost(self, task_id: str, token: int) -> bool:
         held = self.held.get(task_id)

@@ -19,7 +19,7 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     """
     from . import worker  # noqa: F401 - connects the task_received / worker_shutdown hooks
     from .task import LeasedTask
-    from .worker import LeaseStep
+    from .worker import LeaseConsumerStep, LeaseStep
 
     if getattr(app, "_celery_leases_installed", False):
         return app
@@ -31,6 +31,7 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     else:
         validate_pending(app)
     app.steps["worker"].add(LeaseStep)
+    app.steps["consumer"].add(LeaseConsumerStep)
     if all_tasks:
         base = app.Task
         if not issubclass(base, LeasedTask):

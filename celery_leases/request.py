@@ -48,10 +48,11 @@ class LeasedRequest(Request):
         return self._request_dict.get("lease_token")
 
     def _lease_done(self) -> None:
-        """The request ended: the heartbeat stops renewing its lease."""
+        """The request ended: the heartbeat stops renewing its lease (if it held one)."""
         worker = get_worker(self._app)
-        if worker is not None:
-            worker.forget(self.id)
+        token = self.lease_token
+        if worker is not None and token is not None:
+            worker.forget(self.id, token)
 
     def _lease_finish(self, outcome: str, token: int | None) -> bool:
         """Record a main-process outcome; False when it must not be written."""
@@ -89,7 +90,7 @@ class LeasedRequest(Request):
         worker = get_worker(self._app)
         if token is None or worker is None:
             return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-        worker.forget(self.id)
+        worker.forget(self.id, token)
         exc = _unwrap(exc_info.exception)
         lost_child = isinstance(exc, WorkerLostError) or (
             isinstance(exc, (SystemExit, KeyboardInterrupt))
@@ -114,7 +115,7 @@ class LeasedRequest(Request):
         worker = get_worker(self._app)
         if soft or token is None or worker is None:
             return super().on_timeout(soft, timeout)
-        worker.forget(self.id)
+        worker.forget(self.id, token)
         if not self._lease_finish("failed", token):
             task_ready(self)
             if self.task.acks_late:
@@ -128,9 +129,9 @@ class LeasedRequest(Request):
     def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> Any:
         worker = get_worker(self._app)
         if worker is not None and getattr(self.task, "leased", False):
-            worker.forget(self.id)
             token = self.lease_token
             if token is not None:
+                worker.forget(self.id, token)
                 accepted = self._lease_finish("revoked", token)
             else:
                 accepted = worker.revoke_unowned(self.id, expired=expired)

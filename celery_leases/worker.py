@@ -168,15 +168,34 @@ class LeaseWorker:
 
     # -- heartbeat hooks --------------------------------------------------
 
-    def forget(self, task_id: str) -> None:
-        self.heartbeat.forget(task_id)
+    def forget(self, task_id: str, token: int | None = None) -> None:
+        self.heartbeat.forget(task_id, token)
 
     def is_lost(self, task_id: str, token: int) -> bool:
         return self.heartbeat.is_lost(task_id, token)
 
+    def release_dropped(self) -> int:
+        """Release the leases of requests the consumer dropped without running them.
+
+        On a broker connection loss Celery's consumer discards its prefetched
+        and ETA-held requests (their messages come back from the broker); they
+        will never finish here, so their leases must not be renewed any more.
+        """
+        from celery.worker.state import active_requests
+        running = {id(request) for request in list(active_requests)}
+        with self.heartbeat.lock:
+            dropped = {task_id: held.token for task_id, held in self.heartbeat.held.items()
+                       if held.request is not None and id(held.request) not in running}
+        if not dropped:
+            return 0
+        released = self.release(dropped, unstarted=True)
+        logger.info("celery-leases: released %d lease(s) of requests the consumer dropped "
+                    "(broker reconnect or shutdown)", released)
+        return released
+
     def release(self, leases: dict, unstarted: bool = False) -> int:
-        for task_id in leases:
-            self.heartbeat.forget(task_id)
+        for task_id, token in leases.items():
+            self.heartbeat.forget(task_id, token)
         try:
             return self.store.release(self.owner, leases, unstarted=unstarted)
         except LeaseError as exc:
@@ -266,6 +285,20 @@ class LeaseStep(bootsteps.StartStopStep):
             self.lease_worker.stop(unstarted=False)
 
 
+class LeaseConsumerStep(bootsteps.StartStopStep):
+    """Consumer bootstep: stopped whenever the consumer restarts (broker reconnect) or
+    shuts down, right after Celery dropped the requests it had not started."""
+
+    label = "Leases (consumer)"
+
+    def stop(self, c: Any) -> None:
+        worker = get_worker(c.app)
+        if worker is not None:
+            worker.release_dropped()
+
+    shutdown = stop
+
+
 @task_received.connect
 def _on_task_received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     task = getattr(request, "task", None)
@@ -286,4 +319,4 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
         set_worker(app, None)
 
 
-__all__ = ["LeaseStep", "LeaseWorker", "envelope_of"]
+__all__ = ["LeaseStep", "LeaseConsumerStep", "LeaseWorker", "envelope_of"]
