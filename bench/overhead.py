@@ -60,13 +60,12 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 
@@ -75,9 +74,12 @@ sys.path.insert(0, str(ROOT))
 
 import celery  # noqa: E402
 
+from bench._common import (  # noqa: E402
+    Cleanup, command_stats, delete_keys, delete_pattern, git_state, markdown_table, redis_url, report,
+    stats_delta, terminate, wait_until,
+)
 from bench.overhead_app import create_app  # noqa: E402
 from celery_leases import Code, LeaseStore  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 from tests.workers import Worker  # noqa: E402
 
 #: Sizes of a full run and of a ``--quick`` smoke run.
@@ -96,9 +98,6 @@ HB_TTL, HB_INTERVAL = 3.0, 1.0
 #: Long enough that no heartbeat tick falls into a throughput round.
 QUIET_TTL, QUIET_INTERVAL = 600.0, 200.0
 
-#: Commands that are the benchmark's own bookkeeping, never part of a delta.
-OWN_COMMANDS = ("info",)
-
 
 # -- worker subprocesses --------------------------------------------------------
 
@@ -115,76 +114,10 @@ class BenchWorker(Worker):
                      "--without-mingle", "--without-gossip", "--without-heartbeat"]
 
 
-class Cleanup:
-    """Everything started, stopped in reverse order on exit, error, Ctrl-C or SIGTERM."""
-
-    def __init__(self) -> None:
-        self.actions: list[Callable[[], None]] = []
-
-    def push(self, action: Callable[[], None]) -> None:
-        self.actions.append(action)
-
-    def run(self) -> None:
-        while self.actions:
-            action = self.actions.pop()
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - the other cleanups must still run
-                print(f"cleanup: {exc!r}", file=sys.stderr)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 # -- helpers -----------------------------------------------------------------
-
-def command_stats(client: redis.Redis) -> dict[str, dict[str, float]]:
-    raw = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): v for name, v in raw.items()}
-
-
-def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Calls and usec per command between two snapshots, without the snapshots themselves."""
-    out = {}
-    for name, v in after.items():
-        if name in OWN_COMMANDS:
-            continue
-        calls = v["calls"] - before.get(name, {}).get("calls", 0)
-        if calls:
-            out[name] = {"calls": calls, "usec": v["usec"] - before.get(name, {}).get("usec", 0)}
-    return out
-
 
 def calls(delta: dict, *names: str) -> int:
     return sum(delta.get(name, {}).get("calls", 0) for name in names)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def delete_keys(client: redis.Redis, keys: list[str]) -> None:
-    for i in range(0, len(keys), 1000):
-        client.unlink(*keys[i:i + 1000])
-
-
-def delete_prefix(client: redis.Redis, pattern: str) -> None:
-    batch = []
-    for key in client.scan_iter(match=pattern, count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            client.unlink(*batch)
-            batch = []
-    if batch:
-        client.unlink(*batch)
 
 
 #: The whole machine's busy CPU time, beside the benchmark's own processes.
@@ -245,18 +178,6 @@ class CpuMeter:
         """CPU seconds per group, over the processes present at both readings."""
         return {name: sum(t - before[name][pid] for pid, t in pids.items() if pid in before.get(name, {}))
                 for name, pids in after.items()}
-
-
-def git_state() -> dict:
-    """The commit measured, and whether the package had uncommitted changes."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "package_modified": bool(git("status", "--porcelain", "--", "celery_leases"))}
 
 
 def bench_env(url: str, prefix: str, ttl: float, interval: float) -> dict[str, str]:
@@ -509,12 +430,7 @@ def table(results: dict, targets: dict[str, dict]) -> str:
                      f"{row['calls']} / {row['ticks']}",
                      f"{row['server_us_per_call']:.0f} µs in Redis per call", hb_t,
                      "PASS" if row["calls"] == row["ticks"] else "MISS"))
-    header = ("measurement", "plain", "leased", "ratio / detail", "target", "result")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(x.ljust(w) for x, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in rows]
-    return "\n".join(out)
+    return markdown_table(("measurement", "plain", "leased", "ratio / detail", "target", "result"), rows)
 
 
 # -- main ----------------------------------------------------------------------
@@ -535,23 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         sizes["rounds"] = args.rounds
 
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
     cleanup = Cleanup()
     log_dir: Path | None = None
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        url = os.environ.get("REDIS_URL")
-        server = None
-        if not url:
-            server = RedisServer()  # loopback, --save '' --appendonly no
-            cleanup.push(server.cleanup)
-            server.start()
-            url = server.url
+        url, server = redis_url(cleanup)
         client = redis.Redis.from_url(url)
         cleanup.push(client.close)
         prefix = f"bench{uuid.uuid4().hex[:8]}"
         for pattern in (f"{{{prefix}}}*", f"{{{prefix}-hb}}*", f"{{{prefix}-cal}}*"):
-            cleanup.push(lambda p=pattern: delete_prefix(client, p))
+            cleanup.push(lambda p=pattern: delete_pattern(client, p))
         for queue in (prefix, f"{prefix}-hb"):
             cleanup.push(lambda q=queue: client.delete(q, f"{q}\x06\x163", f"{q}\x06\x166",
                                                         f"{q}\x06\x169", f"_kombu.binding.{q}",
@@ -625,15 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)
 
-    print()
-    print(table(results, targets))
-    print()
-    for name, t in targets.items():
-        print(f"{t['result']:<4}  {name}: {t['measured']}")
-    print(f"\n{results['meta']['seconds']} s; results in {args.json}")
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    missed = any(t["result"] == "MISS" for t in targets.values())
-    return 1 if (args.strict and missed) else 0
+    return report(results, targets, table(results, targets), args.json, args.strict)
 
 
 if __name__ == "__main__":

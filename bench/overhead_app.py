@@ -19,11 +19,10 @@ import os
 import time
 from typing import Mapping
 
-import redis
 from celery import Celery
 from celery.signals import worker_ready
 
-import celery_leases
+from bench._common import bench_app, client_for
 from celery_leases import LeasedTask
 
 #: Written to the worker's stderr (its log) once it consumes; the benchmark waits for it.
@@ -32,25 +31,17 @@ READY_LINE = b"overhead-bench worker ready.\n"
 
 def create_app(env: Mapping[str, str]) -> Celery:
     get = env.get
-    prefix = get("LEASES_BENCH_PREFIX", "leases-bench")
-    broker = get("LEASES_BENCH_BROKER", "redis://127.0.0.1:6379/0")
-    app = Celery("overhead_app", broker=broker, backend=broker)
-    app.conf.update(
-        task_default_queue=prefix,
-        leases_redis_url=broker,
-        leases_key_prefix=prefix,
+    app = bench_app(
+        "overhead_app", env,
         leases_ttl=float(get("LEASES_BENCH_TTL", "600")),
         leases_heartbeat_interval=float(get("LEASES_BENCH_HEARTBEAT_INTERVAL", "200")),
         leases_worker_recovery=False,
-        leases_beat_schedule=False,
         # No remote control: its reply queues expire, and kombu then refreshes their
         # bindings with Lua scripts of its own every few seconds, which would be
         # counted with the lease scripts. Nothing per task changes.
         worker_enable_remote_control=False,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
     )
-    celery_leases.install(app)
+    prefix, broker = app.conf["leases_key_prefix"], app.conf["leases_redis_url"]
     stop_key = f"{{{prefix}}}:bench-stop"
 
     @app.task(name="bench.noop", shared=False)
@@ -64,22 +55,12 @@ def create_app(env: Mapping[str, str]) -> Celery:
     @app.task(name="bench.leased_hold", base=LeasedTask, shared=False)
     def leased_hold(max_seconds=60.0):
         """Holds its lease until the benchmark sets the stop key (or max_seconds pass)."""
-        client = _client(broker)
+        client = client_for(broker)
         deadline = time.monotonic() + max_seconds
         while time.monotonic() < deadline and not client.exists(stop_key):
             time.sleep(0.2)
 
     return app
-
-
-_clients: dict = {}
-
-
-def _client(url: str) -> redis.Redis:
-    client = _clients.get((url, os.getpid()))
-    if client is None:
-        client = _clients[(url, os.getpid())] = redis.Redis.from_url(url)
-    return client
 
 
 @worker_ready.connect

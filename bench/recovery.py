@@ -56,14 +56,13 @@ import platform
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 
@@ -74,10 +73,13 @@ import celery  # noqa: E402
 import kombu  # noqa: E402
 
 import celery_leases  # noqa: E402
+from bench._common import (  # noqa: E402
+    Cleanup, delete_keys, delete_pattern, fmt_rate, git_state, markdown_table, redis_url, report,
+    terminate, wait_until,
+)
 from bench.recovery_app import HOLD, NOOP, create_app, starts_key  # noqa: E402
 from celery_leases.config import get_config  # noqa: E402
 from celery_leases.worker import envelope_of  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 from tests.workers import Worker  # noqa: E402
 
 #: Sizes of a full run and of a ``--quick`` smoke run.
@@ -112,57 +114,7 @@ class BenchWorker(Worker):
                      "--without-mingle", "--without-gossip", "--without-heartbeat"]
 
 
-class Cleanup:
-    """Everything started, stopped in reverse order on exit, error, Ctrl-C or SIGTERM."""
-
-    def __init__(self) -> None:
-        self.actions: list[Callable[[], None]] = []
-
-    def push(self, action: Callable[[], None]) -> None:
-        self.actions.append(action)
-
-    def run(self) -> None:
-        while self.actions:
-            action = self.actions.pop()
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - the other cleanups must still run
-                print(f"cleanup: {exc!r}", file=sys.stderr)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 # -- helpers -----------------------------------------------------------------
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def delete_pattern(client: redis.Redis, pattern: str) -> None:
-    batch = []
-    for key in client.scan_iter(match=pattern, count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            client.unlink(*batch)
-            batch = []
-    if batch:
-        client.unlink(*batch)
-
-
-def delete_keys(client: redis.Redis, keys: list[str]) -> None:
-    for i in range(0, len(keys), 1000):
-        if keys[i:i + 1000]:
-            client.unlink(*keys[i:i + 1000])
-
 
 def clock_offset(client: redis.Redis) -> float:
     """Server clock minus this machine's time.time(), seconds (the best of 5 readings)."""
@@ -182,18 +134,6 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def git_state() -> dict:
-    """The commit measured, and whether the package had uncommitted changes."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "package_modified": bool(git("status", "--porcelain", "--", "celery_leases"))}
 
 
 def bench_env(url: str, prefix: str, worker_recovery: bool) -> dict[str, str]:
@@ -324,7 +264,8 @@ def bench_rerun(url: str, client: redis.Redis, trials: int, log_dir: Path, clean
         res = app.send_task(HOLD, kwargs={"max_seconds": 30.0})
         result_ids.append(res.id)
         key = starts_key(prefix, res.id)
-        wait_until(lambda key=key: client.llen(key) >= 1, 20, f"trial {trial + 1}: the task to start")
+        wait_until(lambda key=key: client.llen(key) >= 1, 20, f"trial {trial + 1}: the task to start",
+                   interval=0.01)
         first = json.loads(client.lindex(key, 0))
         victim = next((w for w in pool if w.pid == first["ppid"]), None)
         if victim is None:
@@ -554,10 +495,6 @@ def bench_republish(url: str, client: redis.Redis, n: int, rounds: int, warmup: 
 
 # -- report ------------------------------------------------------------------
 
-def fmt_rate(x: float) -> str:
-    return f"{x:,.0f}/s"
-
-
 def fmt_s(d: dict) -> str:
     return f"{d['min']:.2f} s / {d['median']:.2f} s / {d['max']:.2f} s"
 
@@ -622,12 +559,8 @@ def table(results: dict, targets: dict[str, dict]) -> str:
                  f"rest: store scripts, batches of {pub['batch']}: "
                  f"{pub['recover_median_s'] - pub['publish_median_s']:.2f} s", "", "", ""))
 
-    header = ("measurement", "recovery", "baseline / detail", "ratio", "target", "result")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in rows]
-    return "\n".join(out)
+    return markdown_table(("measurement", "recovery", "baseline / detail", "ratio", "target", "result"),
+                          rows)
 
 
 # -- main ----------------------------------------------------------------------
@@ -649,18 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.n:
         sizes["n"] = args.n
 
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
     cleanup = Cleanup()
     log_dir = Path(tempfile.mkdtemp(prefix="leases-bench-recovery-"))
     failed = True
     try:
-        url = os.environ.get("REDIS_URL")
-        server = None
-        if not url:
-            server = RedisServer()  # loopback, --save '' --appendonly no
-            server.start()
-            cleanup.push(server.cleanup)
-            url = server.url
+        url, server = redis_url(cleanup)
         client = redis.Redis.from_url(url)
         cleanup.push(client.close)
         info = client.info("server")
@@ -707,15 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.unlink()
             log_dir.rmdir()
 
-    print()
-    print(table(results, targets))
-    print()
-    for name, t in targets.items():
-        print(f"{t['result']:<4}  {name}: {t['measured']}")
-    print(f"\n{results['meta']['seconds']} s; results in {args.json}")
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    missed = any(t["result"] == "MISS" for t in targets.values())
-    return 1 if (args.strict and missed) else 0
+    return report(results, targets, table(results, targets), args.json, args.strict)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ import os
 import time
 from typing import Mapping
 
-import redis
 from celery import Celery
 
-import celery_leases
+from bench._common import bench_app, client_for
 from celery_leases import LeasedTask
 
 HOLD = "bench.recovery.hold"
@@ -38,28 +37,20 @@ def starts_key(prefix: str, task_id: str) -> str:
 
 def create_app(env: Mapping[str, str]) -> Celery:
     get = env.get
-    prefix = get("LEASES_BENCH_PREFIX", "leases-bench")
-    broker = get("LEASES_BENCH_BROKER", "redis://127.0.0.1:6379/0")
-    app = Celery("recovery_app", broker=broker, backend=broker)
-    app.conf.update(
-        task_default_queue=prefix,
-        leases_redis_url=broker,
-        leases_key_prefix=prefix,
+    app = bench_app(
+        "recovery_app", env,
         leases_ttl=float(get("LEASES_BENCH_TTL", "2")),
         leases_recovery_interval=float(get("LEASES_BENCH_RECOVERY_INTERVAL", "1")),
         leases_worker_recovery=get("LEASES_BENCH_WORKER_RECOVERY", "1") == "1",
-        leases_beat_schedule=False,
         worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
     )
-    celery_leases.install(app)
+    prefix, broker = app.conf["leases_key_prefix"], app.conf["leases_redis_url"]
 
     @app.task(name=HOLD, base=LeasedTask, bind=True, shared=False)
     def hold(self, max_seconds=30.0):
         """Notes its start; the first run then holds (until killed), a re-run returns at once."""
         start = time.time()
-        client = _client(broker)
+        client = client_for(broker)
         entry = {"t": start, "pid": os.getpid(), "ppid": os.getppid(),
                  "token": self.lease.token, "generation": self.request.get("lease_generation")}
         runs = client.rpush(starts_key(prefix, self.request.id), json.dumps(entry))
@@ -75,16 +66,6 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return None
 
     return app
-
-
-_clients: dict = {}
-
-
-def _client(url: str) -> redis.Redis:
-    client = _clients.get((url, os.getpid()))
-    if client is None:
-        client = _clients[(url, os.getpid())] = redis.Redis.from_url(url)
-    return client
 
 
 app = create_app(os.environ)

