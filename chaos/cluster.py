@@ -1,0 +1,385 @@
+"""The processes a chaos run drives faults into: one Redis (AOF on) and N worker slots.
+
+A *slot* is a place for one ``celery worker`` (even slots prefork, odd slots
+threads). A killed worker is replaced in its slot after a delay; a restarted
+one is replaced after its warm shutdown. Each incarnation has its own name
+(``w<slot>g<generation>``) and log file, so histories and logs say which
+process did what.
+
+Every fault is logged (``Cluster.log``) with the wall-clock time and the pids
+it hit, so the checker can tell which executions a fault cut short.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tests.redis_server import RedisServer, free_port
+from tests.workers import Worker
+
+logger = logging.getLogger("chaos.cluster")
+
+APP = "chaos.app"
+
+
+@dataclass
+class Slot:
+    index: int
+    pool: str
+    concurrency: int
+    generation: int = 0
+    worker: Worker | None = None
+    #: up | stopped | down | restarting
+    state: str = "down"
+    #: Set to end a running fault on this slot early (heal).
+    wake: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        return f"w{self.index}g{self.generation}"
+
+
+def pools_for(workers: int) -> list[tuple[str, int]]:
+    """Even slots prefork (2 processes), odd slots threads (4 threads)."""
+    return [("prefork", 2) if i % 2 == 0 else ("threads", 4) for i in range(workers)]
+
+
+class Cluster:
+    def __init__(self, run_dir: Path, mode: str, workers: int, *, ttl: float = 3.0,
+                 visibility_timeout: float = 5.0, prefetch: int = 2, appendonly: bool = True,
+                 separate_lease_redis: bool = False,
+                 pools: list[tuple[str, int]] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.mode = mode
+        self.ttl = ttl
+        self.history_dir = self.run_dir / "history"
+        self.log_dir = self.run_dir / "logs"
+        for d in (self.history_dir, self.log_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(port=free_port(), dir=self.run_dir / "redis", appendonly=appendonly,
+                                 extra_args=("--appendfsync", "everysec") if appendonly else ())
+        #: The no-persistence scenario keeps the leases on their own Redis without AOF.
+        self.lease_redis = (RedisServer(port=free_port(), dir=self.run_dir / "redis-leases",
+                                        appendonly=False) if separate_lease_redis else None)
+        self.slots = [Slot(i, pool, c) for i, (pool, c) in enumerate(pools or pools_for(workers))]
+        self.prefetch = prefetch
+        self.visibility_timeout = visibility_timeout
+        self.lock = threading.RLock()
+        self.log: list[dict] = []
+        self.t0 = time.time()
+        self._threads: list[threading.Thread] = []
+        self._redis_lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    # -- environment ----------------------------------------------------------
+
+    @property
+    def redis_base(self) -> str:
+        return f"redis://127.0.0.1:{self.redis.port}"
+
+    def env(self, worker: str = "harness") -> dict:
+        env = {"CHAOS_MODE": self.mode, "CHAOS_REDIS_URL": self.redis_base,
+               "CHAOS_HISTORY_DIR": str(self.history_dir), "CHAOS_WORKER": worker,
+               "CHAOS_TTL": str(self.ttl), "CHAOS_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
+               "CHAOS_PREFETCH": str(self.prefetch)}
+        if self.lease_redis is not None:
+            env["CHAOS_LEASES_URL"] = f"redis://127.0.0.1:{self.lease_redis.port}/0"
+        return env
+
+    def client_env(self) -> dict:
+        """The harness's own env: same settings, no history."""
+        env = self.env("harness")
+        env.pop("CHAOS_HISTORY_DIR")
+        return env
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        self.redis.start()
+        if self.lease_redis is not None:
+            self.lease_redis.start()
+        threads = [threading.Thread(target=self._start_slot, args=(slot,)) for slot in self.slots]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        missing = [s.index for s in self.slots if s.state != "up"]
+        if missing:
+            raise RuntimeError(f"chaos workers in slots {missing} did not start; see {self.log_dir}")
+        self._supervisor = threading.Thread(target=self._supervise, name="chaos-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Restart a worker that exits on its own, as systemd or Kubernetes would.
+
+        Celery 5.7 workers sometimes exit when Redis restarts under them (an
+        ``AttributeError`` in kombu while the consumer closes the broken
+        connection: "Unrecoverable error"); docs/chaos.md says more.
+        """
+        while not self._stopping.wait(0.5):
+            for s in self.slots:
+                with self.lock:
+                    worker = s.worker
+                    exited = (s.state == "up" and worker is not None and worker.proc is not None
+                              and worker.proc.poll() is not None)
+                    if exited:
+                        s.state = "down"
+                if exited:
+                    assert worker is not None and worker.proc is not None
+                    self._record("worker_exited", slot=s.index, worker=s.name, rc=worker.proc.returncode,
+                                 pids=[worker.pid])
+                    worker.kill()
+                    self._spawn(self._respawn, s, 1.0)
+
+    def _start_slot(self, slot: Slot, attempts: int = 3) -> None:
+        for attempt in range(attempts):
+            with self.lock:
+                if slot.state in ("up", "starting") and slot.worker is not None and attempt == 0:
+                    return  # another thread (heal, the supervisor) got there first
+                slot.generation += 1
+                worker = Worker(slot.name, self.env(slot.name), pool=slot.pool,
+                                concurrency=slot.concurrency, app=APP, log_dir=self.log_dir)
+                slot.worker = worker
+                slot.state = "starting"
+            try:
+                worker.start(timeout=60)
+            except Exception as exc:  # noqa: BLE001 - logged, tried again
+                self._record("worker_start_failed", slot=slot.index, worker=slot.name, error=repr(exc)[:300])
+                worker.kill()
+                continue
+            with self.lock:
+                slot.state = "up"
+                slot.wake.clear()
+            self._record("worker_started", slot=slot.index, worker=slot.name, pids=[worker.pid])
+            return
+        with self.lock:
+            slot.state = "down"
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        for slot in self.slots:
+            slot.wake.set()
+        for t in list(self._threads):
+            t.join(60)
+        for slot in self.slots:
+            if slot.worker is not None:
+                try:
+                    slot.worker.signal(signal.SIGCONT)
+                except (ProcessLookupError, AssertionError):
+                    pass
+                slot.worker.kill()
+        for server in (self.redis, self.lease_redis):
+            if server is not None:
+                server.stop()
+
+    # -- the fault log ----------------------------------------------------------
+
+    def _record(self, what: str, **fields: Any) -> dict:
+        now = time.time()
+        entry = {"t": now, "rel": round(now - self.t0, 3), "what": what, **fields}
+        with self.lock:
+            self.log.append(entry)
+        logger.info("%7.2fs %s %s", now - self.t0, what,
+                    " ".join(f"{k}={v}" for k, v in fields.items()))
+        return entry
+
+    def _spawn(self, target, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        with self.lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    # -- choosing a target ------------------------------------------------------
+
+    def _pick(self, slot: int, pool: str | None = None) -> Slot | None:
+        """The slot if it is up (and of ``pool``), else the next one that is; None if none is."""
+        n = len(self.slots)
+        for k in range(n):
+            s = self.slots[(slot + k) % n]
+            if s.state == "up" and (pool is None or s.pool == pool):
+                return s
+        return None
+
+    @staticmethod
+    def _pids(worker: Worker) -> list[int]:
+        try:
+            return [worker.pid, *worker.children()]
+        except Exception:  # noqa: BLE001 - best effort, for the log
+            return [worker.pid]
+
+    # -- faults -----------------------------------------------------------------
+
+    def kill_worker(self, slot: int, down_for: float) -> None:
+        """SIGKILL a worker's main process (prefork children die with it); a new one starts later."""
+        with self.lock:
+            s = self._pick(slot)
+            if s is None:
+                self._record("kill_worker", slot=slot, skipped="no worker up")
+                return
+            s.state = "down"
+            worker = s.worker
+        assert worker is not None
+        pids = self._pids(worker)
+        self._record("kill_worker", slot=s.index, worker=s.name, pids=pids)
+        try:
+            worker.signal(signal.SIGKILL, main_only=True)
+            worker.proc.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(0.2)
+        worker.kill()  # anything left of the group (pdeathsig should have taken the children)
+        self._spawn(self._respawn, s, down_for)
+
+    def _respawn(self, s: Slot, after: float) -> None:
+        s.wake.wait(after)
+        if s.state == "down":
+            self._start_slot(s)
+
+    def kill_child(self, slot: int, pick: int) -> None:
+        """SIGKILL one pool child of a prefork worker (the worker itself survives)."""
+        with self.lock:
+            s = self._pick(slot, pool="prefork")
+            if s is None:
+                self._record("kill_child", slot=slot, skipped="no prefork worker up")
+                return
+            worker = s.worker
+        assert worker is not None
+        children = worker.children()
+        if not children:
+            self._record("kill_child", slot=s.index, worker=s.name, skipped="no children")
+            return
+        child = children[pick % len(children)]
+        self._record("kill_child", slot=s.index, worker=s.name, pids=[child])
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop_worker(self, slot: int, seconds: float) -> None:
+        """SIGSTOP a whole worker (main process and children) for ``seconds``, then SIGCONT."""
+        with self.lock:
+            s = self._pick(slot)
+            if s is None:
+                self._record("stop_worker", slot=slot, skipped="no worker up")
+                return
+            s.state = "stopped"
+            worker = s.worker
+        assert worker is not None
+        pids = self._pids(worker)
+        self._record("stop_worker", slot=s.index, worker=s.name, pids=pids, seconds=seconds)
+        worker.signal(signal.SIGSTOP)
+        self._spawn(self._cont, s, worker, seconds)
+
+    def _cont(self, s: Slot, worker: Worker, seconds: float) -> None:
+        s.wake.wait(seconds)
+        try:
+            worker.signal(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        with self.lock:
+            if s.state == "stopped" and s.worker is worker:
+                s.state = "up"
+        self._record("cont_worker", slot=s.index, worker=s.name, pids=[worker.pid])
+
+    def restart_worker(self, slot: int) -> None:
+        """Warm shutdown (SIGTERM: running tasks finish), then a new worker in the slot."""
+        with self.lock:
+            s = self._pick(slot)
+            if s is None:
+                self._record("restart_worker", slot=slot, skipped="no worker up")
+                return
+            s.state = "restarting"
+            worker = s.worker
+        assert worker is not None
+        self._record("restart_worker", slot=s.index, worker=s.name, pids=self._pids(worker))
+        self._spawn(self._restart, s, worker)
+
+    def _restart(self, s: Slot, worker: Worker) -> None:
+        worker.stop(timeout=30)
+        self._record("worker_stopped", slot=s.index, worker=s.name, rc=worker.proc.returncode)
+        self._start_slot(s)
+
+    def redis_restart(self, variant: str, down_for: float, server: RedisServer | None = None) -> None:
+        """Stop Redis (SIGTERM, or SIGKILL for a crash), keep it down ``down_for`` s, start it again."""
+        server = server or self.redis
+        if not self._redis_lock.acquire(blocking=False):
+            self._record("redis_restart", skipped="redis busy with another fault")
+            return
+        try:
+            self._record("redis_restart", variant=variant, port=server.port, seconds=down_for,
+                         appendonly=server.appendonly)
+            if variant == "crash":
+                server.kill()
+            else:
+                server.stop()
+            time.sleep(down_for)
+            server.start()
+            self._record("redis_started", port=server.port)
+        finally:
+            self._redis_lock.release()
+
+    def redis_pause(self, seconds: float) -> None:
+        """``CLIENT PAUSE <ms> ALL``: every client's commands wait; the pause ends by itself."""
+        if not self._redis_lock.acquire(blocking=False):
+            self._record("redis_pause", skipped="redis busy with another fault")
+            return
+        try:
+            client = redis.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=5)
+            try:
+                client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+            finally:
+                client.close()
+            self._record("redis_pause", seconds=seconds)
+        except redis.RedisError as exc:
+            self._record("redis_pause", skipped=repr(exc))
+        finally:
+            self._redis_lock.release()
+
+    # -- the end of the fault window ----------------------------------------------
+
+    def heal(self, timeout: float = 90.0) -> None:
+        """End every fault now: resume stopped workers, unpause and start Redis, fill every slot."""
+        for slot in self.slots:
+            slot.wake.set()
+        with self._redis_lock:
+            for server in (self.redis, self.lease_redis):
+                if server is not None and not server.running:
+                    server.start()
+            try:
+                client = redis.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=10)
+                client.execute_command("CLIENT", "UNPAUSE")
+                client.close()
+            except redis.RedisError:
+                pass
+        deadline = time.monotonic() + timeout
+        for t in list(self._threads):
+            t.join(max(0.1, deadline - time.monotonic()))
+        for s in self.slots:
+            if s.state != "up":
+                self._start_slot(s)
+        self._record("healed", slots={s.index: s.state for s in self.slots})
+
+    def workers_alive(self) -> list[str]:
+        return [s.name for s in self.slots if s.state == "up"]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
