@@ -181,11 +181,23 @@ class LeaseWorker:
         and ETA-held requests (their messages come back from the broker); they
         will never finish here, so their leases must not be renewed any more.
         """
+        from celery.concurrency.base import BasePool
         from celery.worker.state import active_requests
         running = {id(request) for request in list(active_requests)}
+        # Prefork's pool discards the jobs it had not started (Consumer.on_close
+        # calls pool.flush()); the threads, solo and green pools keep theirs and
+        # still run them, so those requests keep their leases.
+        flushes = self.pool is not None and type(self.pool).flush is not BasePool.flush
+
+        def dropped_by_consumer(request: Any) -> bool:
+            if request is None or id(request) in running:
+                return False
+            handed_to_pool = getattr(request, "_apply_result", None) is not None
+            return flushes or not handed_to_pool
+
         with self.heartbeat.lock:
             dropped = {task_id: held.token for task_id, held in self.heartbeat.held.items()
-                       if held.request is not None and id(held.request) not in running}
+                       if dropped_by_consumer(held.request)}
         if not dropped:
             return 0
         released = self.release(dropped, unstarted=True)

@@ -75,3 +75,21 @@ def test_duplicate_delivery_on_the_owners_worker_keeps_the_lease_renewed(one_wor
     record = celery_leases.store(app).get("dup")
     assert record.recoveries == 0
     assert executions(cluster)["dup"] == 1
+
+
+def test_queued_requests_of_a_threads_worker_run_once_after_a_broker_reconnect(one_worker):
+    # Given a threads worker running one task longer than ttl + recovery interval, with four
+    # more queued in its thread pool
+    cluster, app, submit = one_worker("threads", 1)
+    ids = [f"q{i}" for i in range(5)]
+    for i, task_id in enumerate(ids):
+        submit.send_task(TASK_NAME, args=(i, 6.0 if i == 0 else 0.2), task_id=task_id)
+    store = celery_leases.store(app)
+    wait_for(lambda: all(store.get(t) for t in ids), 10, what="the worker to lease all five")
+    # When Redis restarts under it and the worker reconnects
+    cluster.redis_restart("graceful", 0.5)
+    # Then every task runs once: the thread pool kept the queued requests, so they keep their leases
+    wait_for(lambda: _finished(app, "leases", ids) == set(ids), 20, interval=0.5,
+             what="all five tasks to finish")
+    time.sleep(1.5)
+    assert all(n == 1 for n in executions(cluster).values()), executions(cluster)
