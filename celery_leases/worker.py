@@ -187,7 +187,8 @@ class LeaseWorker:
         # Prefork's pool discards the jobs it had not started (Consumer.on_close
         # calls pool.flush()); the threads, solo and green pools keep theirs and
         # still run them, so those requests keep their leases.
-        flushes = self.pool is not None and type(self.pool).flush is not BasePool.flush
+        flush = getattr(getattr(self.pool, "flush", None), "__func__", None)
+        flushes = flush is not None and flush is not BasePool.flush
 
         def dropped_by_consumer(request: Any) -> bool:
             if request is None or id(request) in running:

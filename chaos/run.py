@@ -370,11 +370,26 @@ def summarize(results: list[tuple[dict, checker.Report]]) -> tuple[str, bool]:
     return "\n".join(text), ok
 
 
+def _wipe_time(events: list[dict], restart_at: float) -> float:
+    """When the empty lease store took over: the first token, after the restart began, below
+    one handed out before it (the counter started again). The restart is logged just before
+    the server is stopped, so a lease can still be acquired from the old one after that."""
+    highest = 0
+    for e in events:
+        if e["ev"] != "received" or not e.get("token"):
+            continue
+        token = int(e["token"])
+        if e["t"] >= restart_at and token < highest:
+            return e["t"]
+        highest = max(highest, token)
+    return restart_at
+
+
 def no_persistence_summary(data: dict, report: checker.Report) -> str:
     """What the restart of a lease Redis without persistence lost, task by task."""
     restart = next((f for f in data["fault_log"] if f["what"] == "redis_restart"), None)
-    at = restart["t"] if restart else float("inf")
     events = data["history"]
+    at = _wipe_time(events, restart["t"] if restart else float("inf"))
     received_before = {e["task"] for e in events if e["ev"] == "received" and e["t"] < at and e.get("token")}
     finished_before = {e["task"] for e in events if e["ev"] == "accepted" and e["t"] < at}
     at_risk = received_before - finished_before
@@ -382,7 +397,7 @@ def no_persistence_summary(data: dict, report: checker.Report) -> str:
     no_record = {t for t in report.offenders.get("backend_disagrees", [])
                  if data["final"]["records"].get(t) is None}
     tokens_before = [int(e["token"]) for e in events if e["ev"] == "received" and e.get("token") and e["t"] < at]
-    tokens_after = [int(e["token"]) for e in events if e["ev"] == "received" and e.get("token") and e["t"] > at]
+    tokens_after = [int(e["token"]) for e in events if e["ev"] == "received" and e.get("token") and e["t"] >= at]
     lines = [
         ("UNSUPPORTED SETUP: the lease store on a Redis without persistence (no AOF, no RDB), "
          f"restarted once at t={restart['rel'] if restart else '?'}s; broker, results and sink "
@@ -425,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     config = RunConfig(seed=args.seed, tasks=args.tasks, duration=args.duration, workers=args.workers,
                        ttl=args.ttl, out=args.out,
-                       settle_timeout=args.settle_timeout or max(60.0, args.duration / 5))
+                       settle_timeout=args.settle_timeout or (
+                           30.0 if args.scenario == "no-persistence" else max(90.0, args.duration / 2)))
     if args.scenario == "no-persistence":
         data, report = run_mode(config, "leases", scenario="no-persistence")
         print(checker.table([report]))
