@@ -40,6 +40,24 @@ class LeasedRequest(Request):
                 finally:
                     self._lease_done()
             cls.on_success = on_success  # type: ignore[method-assign]
+        generated_execute = cls.__dict__.get("execute_using_pool")
+        if generated_execute is not None:
+            def execute_using_pool(self, pool, _generated=generated_execute, **kw):
+                self._lease_before_execute()
+                return _generated(self, pool, **kw)
+            cls.execute_using_pool = execute_using_pool  # type: ignore[method-assign]
+
+    def _lease_before_execute(self) -> None:
+        """The store was unreachable at receipt: try again now that the task is due to run."""
+        if self.__dict__.get("_lease_pending") is None:
+            return
+        worker = get_worker(self._app)
+        if worker is not None:
+            worker.acquire_pending(self)
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+        self._lease_before_execute()
+        return super().execute_using_pool(pool, **kwargs)
 
     # -- helpers ---------------------------------------------------------------
 

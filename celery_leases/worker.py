@@ -105,7 +105,12 @@ class LeaseWorker:
             config = self._task_configs[task.name] = self.config.for_task(task)
         return config
 
-    def on_received(self, request: Any) -> None:
+    def acquire_pending(self, request: Any) -> None:
+        """Second try for a request whose acquire at receipt found the store unreachable."""
+        request._lease_pending = None
+        self.on_received(request, due=True)
+
+    def on_received(self, request: Any, due: bool = False) -> None:
         task = request.task
         config = self.task_config(task)
         message = request.message
@@ -119,7 +124,15 @@ class LeaseWorker:
                 progress_timeout=config.progress_timeout or 0, name=task.name,
                 body=message.body, envelope=envelope_of(message))
         except LeaseUnavailable as exc:
-            self._requeue_later(request, exc)
+            if due:
+                self._requeue_later(request, exc)
+            else:
+                # Try again when the task is due to run (at once, or at its ETA):
+                # re-queueing from here would loop, since Celery receives an ETA
+                # copy immediately and holds it.
+                request._lease_pending = exc
+                logger.warning("task %s[%s]: lease store unreachable at receipt (%s); trying again "
+                               "when it is due to run", task.name, request.id, exc)
             return
         except LeaseError as exc:
             logger.error("task %s[%s]: lease acquire failed, not run: %s", task.name, request.id, exc)
