@@ -61,4 +61,10 @@ class Scripts:
         return script
 
 
+    def load_all(self) -> None:
+        """Read every script now, so a process never mixes two versions of the package on disk."""
+        for name in SCRIPT_NAMES:
+            getattr(self, name)
+
+
 scripts = Scripts()

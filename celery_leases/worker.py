@@ -29,6 +29,7 @@ from .config import LeaseConfig, get_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
 from .runtime import get_store, get_worker, set_worker
+from .scripts import scripts
 from .signals import lease_acquired, lease_lost
 
 logger = logging.getLogger("celery_leases.worker")
@@ -74,6 +75,9 @@ class LeaseWorker:
             self.store.server_time_ms()
         except LeaseUnavailable as exc:
             raise LeaseUnavailable(f"leases_redis_url: {exc}") from exc
+        # Scripts are read once, here: the pool processes inherit them, and a
+        # package upgraded on disk under a running worker cannot mix versions.
+        scripts.load_all()
         run_checks(self.app, self.config, self.store)  # warnings only: Redis and broker settings
         self.heartbeat.start()
         if self.config.worker_recovery:
