@@ -11,12 +11,13 @@ import re
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from . import defaults
+from .connection import SCHEMES as _SCHEMES
+from .connection import redact as _redact
+from .connection import scheme as _scheme
 from .exceptions import ConfigurationError
 
-_SCHEMES = ("redis", "rediss", "unix", "redis+socket", "sentinel")
 
 #: Per-task overrides: task attribute name -> LeaseConfig field.
 TASK_OPTIONS = {
@@ -71,7 +72,7 @@ class LeaseConfig:
                 raise ConfigurationError(f"{name(field)} must be a non-negative integer, got {value!r}")
         if self.on_lost not in ("flag", "terminate"):
             raise ConfigurationError(f"{name('on_lost')} must be 'flag' or 'terminate', got {self.on_lost!r}")
-        scheme = urlsplit(self.redis_url or "").scheme
+        scheme = _scheme(self.redis_url or "")
         if scheme not in _SCHEMES:
             raise ConfigurationError(
                 f"leases_redis_url must be a Redis URL ({', '.join(s + '://' for s in _SCHEMES)}), "
@@ -186,7 +187,7 @@ def _fallback_url(conf: Any) -> str:
     """A Redis broker or result backend URL, when leases_redis_url is not set."""
     for name in ("broker_url", "result_backend"):
         url = conf.get(name)
-        if isinstance(url, str) and urlsplit(url).scheme in _SCHEMES:
+        if isinstance(url, str) and _scheme(url) in _SCHEMES:
             return url
     raise ConfigurationError(
         "leases_redis_url is not set and neither broker_url nor result_backend is a Redis URL; "
@@ -221,14 +222,3 @@ def _boolean(value: Any, name: str) -> bool:
     if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return value.lower() in ("1", "true", "yes", "on")
     raise ConfigurationError(f"{name} must be a boolean, got {value!r}")
-
-
-def _redact(url: str | None) -> str:
-    """A URL without its password, for error messages and logs."""
-    if not url:
-        return repr(url)
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-    return url

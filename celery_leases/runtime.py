@@ -10,9 +10,8 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from .config import LeaseConfig, get_config
+from .connection import connect
 from .store import LeaseStore
 
 if TYPE_CHECKING:
@@ -23,9 +22,8 @@ _workers: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseWorker]]" = weakref.We
 
 
 def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
-    client = redis.Redis.from_url(config.redis_url, socket_timeout=max(2.0, config.ttl / 3),
-                                  socket_connect_timeout=max(2.0, config.ttl / 3),
-                                  health_check_interval=30)
+    client = connect(config.redis_url, socket_timeout=max(2.0, config.ttl / 3),
+                     socket_connect_timeout=max(2.0, config.ttl / 3), health_check_interval=30)
     return LeaseStore(client, config.key_prefix, ttl=config.ttl, retention=config.retention,
                       max_recoveries=config.max_recoveries, publish_grace=config.publish_grace,
                       recover_batch=config.recover_batch, **kwargs)

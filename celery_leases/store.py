@@ -17,6 +17,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .codes import OUTCOMES, TERMINAL_STATES, Code
+from .connection import connect, describe
 from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
 from .keys import Keys
 from .scripts import Script, scripts
@@ -161,11 +162,11 @@ class LeaseStore:
         self.max_recoveries, self.publish_grace = max_recoveries, publish_grace
         self.recover_batch = recover_batch
         self.publish, self.on_dead = publish, on_dead
-        self.description = description or _describe(client)
+        self.description = description or describe(client)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> "LeaseStore":
-        return cls(redis.Redis.from_url(url), **kwargs)
+        return cls(connect(url), **kwargs)
 
     # -- calls ---------------------------------------------------------------
 
@@ -600,14 +601,6 @@ def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> N
     reason = {Code.LOST: "lost", Code.FINISHED: f"already finished ({state})" if state else "finished",
               Code.MISSING: "missing"}.get(code, code.name.lower())
     raise LeaseLost(task_id, token, reason)
-
-
-def _describe(client: redis.Redis) -> str:
-    """host:port/db of a client, never its password."""
-    kw = client.connection_pool.connection_kwargs
-    if "path" in kw:
-        return f"unix://{kw['path']}"
-    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
 
 
 def _glob_escape(text: str) -> str:
