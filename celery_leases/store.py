@@ -214,21 +214,30 @@ class LeaseStore:
         return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
-               *, next_attempt: int = 0, retry_grace: float | None = None) -> None:
+               *, next_attempt: int = 0, retry_grace: float | None = None,
+               write: tuple[str, bytes | str, int] | None = None) -> None:
         """Record the owner's outcome; raises LeaseLost when the caller is not the owner.
 
         ``retry`` hands the lease to attempt ``next_attempt``, which must acquire
         within ``retry_grace`` seconds (default: publish_grace) or be recovered.
+        ``write`` = (key, value, expires seconds or 0), with a terminal outcome:
+        also SET ``key`` and PUBLISH ``value`` on the channel ``key`` in the same
+        script, so an accepted outcome and its result record land together and
+        a refused one writes neither (``key`` must live on the same server).
         """
         if outcome not in OUTCOMES:
             raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
                              f"expected one of {OUTCOMES}")
         key = self.keys.record(task_id)
-        code, current, state = self._run(
-            scripts.finish, (key, self.keys.deadlines, self.keys.stats, self.keys.message(task_id)),
-            (task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
-             _ms(self.publish_grace if retry_grace is None else retry_grace)),
-            f"task {task_id}, key {key}")
+        keys = [key, self.keys.deadlines, self.keys.stats, self.keys.message(task_id)]
+        args = [task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
+                _ms(self.publish_grace if retry_grace is None else retry_grace)]
+        if write is not None:
+            if outcome == "retry":
+                raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
+            keys.append(write[0])
+            args.extend((write[1], int(write[2] or 0)))
+        code, current, state = self._run(scripts.finish, keys, args, f"task {task_id}, key {key}")
         _raise_unless_ok(Code(code), task_id, token, state.decode())
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,

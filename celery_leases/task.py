@@ -20,6 +20,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .config import get_config
 from .exceptions import LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
+from .results import fused_write, mark_stored
 from .runtime import get_store, get_worker
 from .signals import stale_outcome_rejected
 
@@ -112,16 +113,19 @@ class LeasedTask(Task):
         except Exception:
             self._finish(lease, "failed")
             raise
-        self._finish(lease, "succeeded")
+        write = fused_write(self, request, retval, lease.store)
+        self._finish(lease, "succeeded", write=write)
+        if write is not None:
+            mark_stored(request)
         return retval
 
     def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,
-                retry_grace: float | None = None) -> None:
+                retry_grace: float | None = None, write: Any = None) -> None:
         """Record the outcome, or raise StaleOutcome so nothing of it leaves the worker."""
         try:
             self._store_call(lambda: lease.store.finish(lease.task_id, lease.owner, lease.token,
                                                         outcome, next_attempt=next_attempt,
-                                                        retry_grace=retry_grace), lease)
+                                                        retry_grace=retry_grace, write=write), lease)
         except LeaseLost as exc:
             lease._lost = True
             refuse(self, lease.task_id, lease.token, outcome, exc.reason)

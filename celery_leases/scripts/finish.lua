@@ -19,6 +19,11 @@
     ARGV[5] retention in ms
     ARGV[6] next attempt (retry only)
     ARGV[7] ms to wait for the next attempt before recovery steps in (retry only)
+    KEYS[5] optional: a key written together with an accepted terminal outcome
+            (a result-backend record: the outcome and its result then land
+            atomically, or neither does)
+    ARGV[8] optional, with KEYS[5]: value stored at KEYS[5] and published on the channel KEYS[5]
+    ARGV[9] optional, with KEYS[5]: seconds KEYS[5] lives (0: no expiry)
 
   Output: {code, token, state}
     OK        the outcome was accepted
@@ -62,4 +67,13 @@ redis.call('DEL', message)
 redis.call('ZREM', deadlines, task_id)
 redis.call('PEXPIRE', key, retention)
 redis.call('HINCRBY', stats, outcome, 1)
+if KEYS[5] then
+  local expires = tonumber(ARGV[9]) or 0
+  if expires > 0 then
+    redis.call('SET', KEYS[5], ARGV[8], 'EX', expires)
+  else
+    redis.call('SET', KEYS[5], ARGV[8])
+  end
+  redis.call('PUBLISH', KEYS[5], ARGV[8])
+end
 return {10, current, outcome}
