@@ -30,7 +30,7 @@ _DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 class Finding:
     """One result of a start-up check."""
 
-    #: Which check: "eviction", "persistence", "visibility_timeout", "retention", "heartbeat".
+    #: Which check: "eviction", "persistence", "shards", "visibility_timeout", "retention", "heartbeat".
     check: str
     #: logging.WARNING for a problem, logging.INFO for a skipped check.
     level: int
@@ -74,9 +74,35 @@ def _server(store: LeaseStore, what: str, read: Callable[[], Any]) -> Any:
         raise _Skip(f"{what} failed on {store.description}: {exc}") from None
 
 
+def _each_master(store: LeaseStore, what: str, read: Callable[[Any], Any]) -> Any:
+    """``read(target)`` on each master of a cluster (target: its node), or once on one server.
+
+    Returns the first answer that ``_worst`` ranks as a problem, so a cluster
+    is as good as its weakest master.
+    """
+    primaries = getattr(store.client, "get_primaries", None)
+    if primaries is None:
+        return [_server(store, what, lambda: read({}))]
+    answers = []
+    for node in primaries():
+        target = {"target_nodes": node}
+        answers.append(_server(store, f"{what} on {node.name}", lambda: _only(read(target))))
+    return answers
+
+
+def _only(answer: Any) -> Any:
+    """A cluster's per-node answer ({node name: reply}) for a single node, unwrapped."""
+    if isinstance(answer, dict) and len(answer) == 1:
+        (value,) = answer.values()
+        if isinstance(value, (dict, list)):
+            return value
+    return answer
+
+
 def check_eviction(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
     """maxmemory-policy must be noeviction: an evicted record cannot be recovered."""
-    info = _server(store, "INFO memory", lambda: store.client.info("memory"))
+    infos = _each_master(store, "INFO memory", lambda t: store.client.info("memory", **t))
+    info = next((i for i in infos if i.get("maxmemory_policy") != "noeviction"), infos[0])
     policy = info.get("maxmemory_policy")
     if policy is None:
         raise _Skip(f"INFO memory of {store.description} has no maxmemory_policy")
@@ -100,17 +126,32 @@ def check_eviction(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Fin
 
 def check_persistence(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
     """AOF (or at least RDB snapshots): a restart without persistence loses every lease."""
-    info = _server(store, "INFO persistence", lambda: store.client.info("persistence"))
-    if int(info.get("aof_enabled") or 0):
+    infos = _each_master(store, "INFO persistence", lambda t: store.client.info("persistence", **t))
+    if all(int(info.get("aof_enabled") or 0) for info in infos):
         return []
-    save = _server(store, "CONFIG GET save", lambda: store.client.config_get("save")).get("save", "")
-    if save:
+    saves = _each_master(store, "CONFIG GET save", lambda t: store.client.config_get("save", **t))
+    if all(int(info.get("aof_enabled") or 0) or save.get("save", "")
+           for info, save in zip(infos, saves)):
         return []
     return [Finding("persistence", logging.WARNING,
                     f"lease store {store.description} has no persistence (appendonly no, save ''): "
                     f"a restart loses every lease record, so tasks running at that moment are "
                     f"never recovered, and the fencing token counter starts again. "
                     f"Use appendonly yes")]
+
+
+def check_shards(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
+    """Live leases written under another leases_shards are stranded: nobody renews or recovers them."""
+    other = store.other_layout()
+    if other is None:
+        return []
+    count, indexed = other
+    return [Finding("shards", logging.WARNING,
+                    f"lease store {store.description} holds {indexed} live lease(s) of prefix "
+                    f"{config.key_prefix} written with leases_shards={count}, but this worker uses "
+                    f"leases_shards={config.shards}: they are not renewed, recovered or fenced by "
+                    f"it. Run every worker with one value; change it only once those leases are "
+                    f"finished (see docs/cluster.md)")]
 
 
 # -- Celery settings -------------------------------------------------------------
@@ -164,6 +205,7 @@ def check_heartbeat(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Fi
 _CHECKS: tuple[tuple[str, Callable[[Any, LeaseConfig, LeaseStore], list[Finding]]], ...] = (
     ("eviction", check_eviction),
     ("persistence", check_persistence),
+    ("shards", check_shards),
     ("visibility_timeout", check_visibility_timeout),
     ("retention", check_retention),
     ("heartbeat", check_heartbeat),

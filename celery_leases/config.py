@@ -41,6 +41,7 @@ class LeaseConfig:
     retention: float = defaults.RETENTION
     publish_grace: float = defaults.PUBLISH_GRACE
     recover_batch: int = defaults.RECOVER_BATCH
+    shards: int = defaults.SHARDS
     on_lost: str = defaults.ON_LOST
     dead_letter_queue: str | None = defaults.DEAD_LETTER_QUEUE
     unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
@@ -70,6 +71,8 @@ class LeaseConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if field == "max_recoveries" else 1):
                 raise ConfigurationError(f"{name(field)} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
+            raise ConfigurationError(f"{name('shards')} must be an integer >= 1, got {self.shards!r}")
         if self.on_lost not in ("flag", "terminate"):
             raise ConfigurationError(f"{name('on_lost')} must be 'flag' or 'terminate', got {self.on_lost!r}")
         scheme = _scheme(self.redis_url or "")
@@ -146,6 +149,7 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
         retention=_number(setting("retention", defaults.RETENTION), "leases_retention"),
         publish_grace=_number(setting("publish_grace", defaults.PUBLISH_GRACE), "leases_publish_grace"),
         recover_batch=_integer(setting("recover_batch", defaults.RECOVER_BATCH), "leases_recover_batch"),
+        shards=_shards(setting("shards", defaults.SHARDS)),
         on_lost=setting("on_lost", defaults.ON_LOST),
         dead_letter_queue=setting("dead_letter_queue", defaults.DEAD_LETTER_QUEUE),
         unavailable_retry_delay=_number(setting("unavailable_retry_delay", defaults.UNAVAILABLE_RETRY_DELAY),
@@ -213,6 +217,13 @@ def _integer(value: Any, name: str) -> int:
         raise ConfigurationError(f"{name} must be an integer, got {value!r}") from None
     if result < 0:
         raise ConfigurationError(f"{name} must not be negative, got {value!r}")
+    return result
+
+
+def _shards(value: Any) -> int:
+    result = _integer(value, "leases_shards")
+    if result < 1:
+        raise ConfigurationError(f"leases_shards must be an integer >= 1, got {value!r}")
     return result
 
 

@@ -17,6 +17,8 @@ PROGRESS_TIMEOUT = None
 RETENTION = 86400.0
 #: Seconds a recovery claim waits for its publish to be confirmed before it is re-claimed.
 PUBLISH_GRACE = 30.0
+#: Shards of the deadline index and records (hash tags); above 1 spreads them over a Redis Cluster.
+SHARDS = 1
 #: Leases claimed per recovery script call.
 RECOVER_BATCH = 500
 #: What a worker does with a running task whose lease it learns was lost: "flag" or "terminate".

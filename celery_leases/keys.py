@@ -1,31 +1,95 @@
-"""Redis key names. Every key of one prefix carries the same hash tag.
+"""Redis key names, and which shard (hash tag, so which cluster slot) each lives in.
 
-All keys share the tag ``{<prefix>}`` so every script touches a single Redis
-Cluster slot (a renew of many leases and a recovery pass over many records are
-then legal on a cluster).
+With one shard (the default) every key of a prefix carries the tag
+``{<prefix>}``: one Redis Cluster slot holds everything, and the names are
+those of every earlier release. With ``shards=N > 1`` a task id is mapped to a
+shard by ``crc32(task id) % N``, and that task's record and message, and the
+shard's deadline index, token sequence and stats, carry the tag
+``{<prefix>:<shard>}``, so the shards spread over a cluster's slots (and
+masters). Fence hashes and the recovery guard keep ``{<prefix>}``: they are
+not per task. Every script still touches one slot: the keys of one task and
+of its shard.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardKeys:
+    """The keys of one shard that are not per task."""
+
+    #: Shard number, 0..shards-1.
+    index: int
+    #: Hash tag of this shard's keys, braces included.
+    tag: str
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: task id -> deadline (ms, server clock) of this shard's active/recovering leases."""
+        return f"{self.tag}:deadlines"
+
+    @property
+    def sequence(self) -> str:
+        """Counter this shard's fencing tokens are drawn from."""
+        return f"{self.tag}:seq"
+
+    @property
+    def stats(self) -> str:
+        """Hash of this shard's lifetime counters (acquired, recovered, refused, ...)."""
+        return f"{self.tag}:stats"
+
+    def record_prefix(self) -> str:
+        """Name of this shard's record keys without the task id."""
+        return f"{self.tag}:lease:"
 
 
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "leases"
+    #: Number of shards (leases_shards); 1 keeps every name in one slot.
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in "{} \n"):
             raise ValueError(
                 f"leases_key_prefix {self.prefix!r} must be non-empty and contain "
                 "no braces or whitespace")
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ValueError(f"leases_shards must be an integer >= 1, got {self.shards!r}")
 
     @property
     def tag(self) -> str:
+        """The prefix's own tag: fences, the recovery guard (and everything with one shard)."""
         return "{" + self.prefix + "}"
+
+    # -- shards ------------------------------------------------------------
+
+    def shard_of(self, task_id: str) -> int:
+        """The shard of ``task_id``: stable across processes, releases and machines."""
+        if self.shards == 1:
+            return 0
+        return zlib.crc32(task_id.encode("utf-8", "surrogatepass")) % self.shards
+
+    def shard(self, index: int) -> ShardKeys:
+        """The keys of shard ``index``."""
+        if self.shards == 1:
+            return ShardKeys(0, self.tag)
+        return ShardKeys(index, "{" + f"{self.prefix}:{index}" + "}")
+
+    def all_shards(self) -> list[ShardKeys]:
+        return [self.shard(i) for i in range(self.shards)]
+
+    def shard_for(self, task_id: str) -> ShardKeys:
+        """The shard keys that go with ``task_id``'s record in one script call."""
+        return self.shard(self.shard_of(task_id))
+
+    # -- per task ----------------------------------------------------------
 
     def record(self, task_id: str) -> str:
         """Hash holding one task's lease record."""
-        return f"{self.tag}:lease:{task_id}"
+        return f"{self.shard_for(task_id).tag}:lease:{task_id}"
 
     def message(self, task_id: str) -> str:
         """Hash holding the message a recovery would re-publish (body, envelope).
@@ -33,31 +97,41 @@ class Keys:
         Kept apart from the record so the record stays small enough for
         Redis's compact hash encoding, and is deleted when the task finishes.
         """
-        return f"{self.tag}:msg:{task_id}"
+        return f"{self.shard_for(task_id).tag}:msg:{task_id}"
+
+    # -- shard 0 (the only shard with shards=1) -------------------------------
 
     @property
     def deadlines(self) -> str:
-        """Sorted set: task id -> deadline (ms, server clock) of active/recovering leases."""
-        return f"{self.tag}:deadlines"
+        """Deadline index of shard 0 (see ShardKeys.deadlines); the only one with one shard."""
+        return self.shard(0).deadlines
 
     @property
     def sequence(self) -> str:
-        """Counter the fencing tokens are drawn from."""
-        return f"{self.tag}:seq"
+        """Token counter of shard 0 (see ShardKeys.sequence)."""
+        return self.shard(0).sequence
 
     @property
     def stats(self) -> str:
-        """Hash of lifetime counters (acquired, recovered, refused, ...)."""
-        return f"{self.tag}:stats"
+        """Counters of shard 0 (see ShardKeys.stats)."""
+        return self.shard(0).stats
+
+    def record_prefix(self) -> str:
+        """Record key prefix of shard 0 (see ShardKeys.record_prefix)."""
+        return self.shard(0).record_prefix()
+
+    # -- not sharded ---------------------------------------------------------
 
     @property
     def recovery_guard(self) -> str:
         """String key held by the worker whose turn it is to run a recovery pass."""
         return f"{self.tag}:recovery-guard"
 
+    @property
+    def layout(self) -> str:
+        """String key holding the shard count a sharded store was last used with."""
+        return f"{self.tag}:shards"
+
     def fence(self, resource: str) -> str:
         """Hash guarding one fenced resource (see celery_leases.fencing)."""
         return f"{self.tag}:fence:{resource}"
-
-    def record_prefix(self) -> str:
-        return f"{self.tag}:lease:"

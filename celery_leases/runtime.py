@@ -26,7 +26,7 @@ def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
                      socket_connect_timeout=max(2.0, config.ttl / 3), health_check_interval=30)
     return LeaseStore(client, config.key_prefix, ttl=config.ttl, retention=config.retention,
                       max_recoveries=config.max_recoveries, publish_grace=config.publish_grace,
-                      recover_batch=config.recover_batch, **kwargs)
+                      recover_batch=config.recover_batch, shards=config.shards, **kwargs)
 
 
 def get_store(app: Any) -> LeaseStore:

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis
+from redis.exceptions import ClusterError, NoScriptError, ResponseError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .codes import OUTCOMES, TERMINAL_STATES, Code
 from .connection import connect, describe
 from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
-from .keys import Keys
+from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
 
 __all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport"]
@@ -141,12 +141,19 @@ def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
 
+#: Errors of a Redis Cluster that mean "not reachable now" (a failover in progress).
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError)
+
+
 class LeaseStore:
-    """Leases of one key prefix on one Redis.
+    """Leases of one key prefix on one Redis (a server, or a Redis Cluster).
 
     ``ttl``, ``retention`` and ``publish_grace`` are seconds. ``publish`` and
     ``on_dead`` are what a recovery pass does with a claimed lease; the Celery
-    wiring provides them.
+    wiring provides them. ``shards`` (leases_shards) spreads the records and
+    deadline indexes over that many hash tags (see keys.py): operations on many
+    tasks make one script call per shard, and operations over the whole store
+    (recovery, stats, listings) visit every shard.
     """
 
     def __init__(self, client: redis.Redis, prefix: str = "leases", *,
@@ -155,9 +162,14 @@ class LeaseStore:
                  recover_batch: int = 500,
                  publish: Callable[[Claim], None] | None = None,
                  on_dead: Callable[[Claim], None] | None = None,
-                 description: str | None = None) -> None:
+                 description: str | None = None, shards: int = 1) -> None:
         self.client = client
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, shards)
+        self.shards = self.keys.shards
+        # With one sequence per shard, tokens of different shards are ordered by
+        # the clock; on a cluster, a failover that loses the last INCR of a
+        # sequence then cannot hand out a token again (docs/cluster.md).
+        self._clock_tokens = 1 if self.shards > 1 or hasattr(client, "get_node_from_key") else 0
         self.ttl, self.retention = ttl, retention
         self.max_recoveries, self.publish_grace = max_recoveries, publish_grace
         self.recover_batch = recover_batch
@@ -174,20 +186,113 @@ class LeaseStore:
         """Run a script, turning Redis errors into LeaseErrors that name what failed."""
         try:
             return script(self.client, keys, args)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise LeaseUnavailable(
+        except Exception as exc:
+            raise self._script_error(script, exc, what) from exc
+
+    def _script_error(self, script: Script, exc: Exception, what: str) -> Exception:
+        """The LeaseError a Redis error of ``script`` becomes (anything else unchanged)."""
+        if isinstance(exc, _UNAVAILABLE):
+            return LeaseUnavailable(
                 f"lease store at {self.description} unreachable during {script.name} "
-                f"({what}): {exc}") from exc
-        except ResponseError as exc:
+                f"({what}): {exc}")
+        if isinstance(exc, ResponseError):
             text = str(exc)
             if "CORRUPT" in text or "WRONGTYPE" in text:
-                raise CorruptRecord(f"{script.name} ({what}): {text}") from exc
-            raise LeaseError(f"{script.name} ({what}) failed on {self.description}: {text}") from exc
+                return CorruptRecord(f"{script.name} ({what}): {text}")
+            return LeaseError(f"{script.name} ({what}) failed on {self.description}: {text}")
+        return exc
+
+    def _run_many(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+                  what: str) -> list:
+        """Run ``script`` once per (keys, args), pipelined into one round trip per server.
+
+        Each call touches one shard, so each is legal on a cluster; a cluster
+        pipeline sends each node its calls together. A call that finds its
+        script not cached (NOSCRIPT) is repeated alone, which loads it.
+        """
+        if len(calls) == 1:
+            keys, args = calls[0]
+            return [self._run(script, keys, args, what)]
+        if hasattr(self.client, "get_node_from_key"):
+            return self._run_many_cluster(script, calls, what)
+
+        def send() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            results = send()
+        except Exception as exc:
+            raise self._script_error(script, exc, what) from exc
+        out = []
+        for (keys, args), result in zip(calls, results):
+            if isinstance(result, NoScriptError):
+                result = self._run(script, keys, args, what)
+            elif isinstance(result, Exception):
+                raise self._script_error(script, result, what) from result
+            out.append(result)
+        return out
+
+    def _run_many_cluster(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+                          what: str) -> list:
+        """``_run_many`` on a cluster: one pipeline per master, on its own connection.
+
+        redis-py's cluster pipeline refuses EVALSHA, so the calls are grouped
+        by the master that serves their slot (as the client last saw the
+        slot map). A call that meets a redirection (MOVED, ASK, a failover
+        under way) or an error of its node's connection is repeated alone
+        through the cluster client, which follows the new map and retries.
+        """
+        cluster: Any = self.client
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        for i, (keys, _) in enumerate(calls):
+            try:
+                node = cluster.get_node_from_key(keys[0])
+            except Exception:  # noqa: BLE001 - slot not covered now: the lone call reports it
+                node = None
+            name = getattr(node, "name", "")
+            nodes[name] = node
+            by_node.setdefault(name, []).append(i)
+        out: list[Any] = [None] * len(calls)
+        for name, indexes in by_node.items():
+            results: list[Any] = [None] * len(indexes)
+            node = nodes[name]
+            if node is not None:
+                try:
+                    pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
+                    for i in indexes:
+                        keys, args = calls[i]
+                        pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    results = pipe.execute(raise_on_error=False)
+                except Exception:  # noqa: BLE001 - each call is repeated alone below
+                    results = [None] * len(indexes)
+            for i, result in zip(indexes, results):
+                if result is None or isinstance(result, (NoScriptError, ResponseError, RedisConnectionError)):
+                    if isinstance(result, ResponseError) and not _redirected(result) and \
+                            not isinstance(result, NoScriptError):
+                        raise self._script_error(script, result, what) from result
+                    keys, args = calls[i]
+                    result = self._run(script, keys, args, what)
+                elif isinstance(result, Exception):
+                    raise self._script_error(script, result, what) from result
+                out[i] = result
+        return out
+
+    def _by_shard(self, task_ids: Iterable[str]) -> dict[int, list[str]]:
+        """``task_ids`` grouped by shard, in their order within each shard."""
+        groups: dict[int, list[str]] = {}
+        shard_of = self.keys.shard_of
+        for task_id in task_ids:
+            groups.setdefault(shard_of(task_id), []).append(task_id)
+        return groups
 
     def _read(self, fn: Callable[[], Any], what: str) -> Any:
         try:
             return fn()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except _UNAVAILABLE as exc:
             raise LeaseUnavailable(f"lease store at {self.description} unreachable ({what}): {exc}") from exc
         except ResponseError as exc:
             if "WRONGTYPE" in str(exc):
@@ -201,15 +306,15 @@ class LeaseStore:
                 progress_timeout: float = 0, name: str = "", body: bytes = b"",
                 envelope: Mapping | None = None) -> Acquisition:
         """Try to become the owner of ``task_id``'s lease for one delivery of its message."""
-        key = self.keys.record(task_id)
+        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
         code, token, gen, recoveries, state = self._run(
             scripts.acquire,
-            (key, self.keys.deadlines, self.keys.sequence, self.keys.stats, self.keys.message(task_id)),
+            (key, shard.deadlines, shard.sequence, shard.stats, self.keys.message(task_id)),
             (task_id, owner, _ms(self.ttl if ttl is None else ttl), int(generation), int(attempt),
              self.max_recoveries if max_recoveries is None else int(max_recoveries),
              _ms(progress_timeout), name, body,
              json.dumps(envelope, separators=(",", ":")) if envelope is not None else "",
-             _ms(self.retention)),
+             _ms(self.retention), self._clock_tokens),
             f"task {task_id}, key {key}")
         return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
 
@@ -228,8 +333,8 @@ class LeaseStore:
         if outcome not in OUTCOMES:
             raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
                              f"expected one of {OUTCOMES}")
-        key = self.keys.record(task_id)
-        keys = [key, self.keys.deadlines, self.keys.stats, self.keys.message(task_id)]
+        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+        keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id)]
         args = [task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
                 _ms(self.publish_grace if retry_grace is None else retry_grace)]
         if write is not None:
@@ -242,10 +347,12 @@ class LeaseStore:
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
                    check_progress: bool = False) -> dict[str, Code]:
-        """Renew leases ``owner`` holds, all with the same ``ttl``, in one call.
+        """Renew leases ``owner`` holds, all with the same ``ttl``, in one call per shard.
 
         Returns the leases not renewed, with why. ``check_progress`` enforces
-        progress deadlines (leases of tasks with a progress timeout).
+        progress deadlines (leases of tasks with a progress timeout). With
+        several shards the per-shard calls go out pipelined: one round trip to
+        a single server, one per master on a cluster.
         """
         if not leases:
             return {}
@@ -256,12 +363,18 @@ class LeaseStore:
         if pause_gc:
             gc.disable()
         try:
-            record = self.keys.record
-            keys = [self.keys.deadlines, self.keys.stats, *map(record, leases)]
-            args = [owner, _ms(self.ttl if ttl is None else ttl), 1 if check_progress else 0,
-                    len(self.keys.record_prefix()), *leases.values()]
-            flat = self._run(scripts.renew_many, keys, args, f"{len(leases)} leases of {owner}")
-            return {flat[i].decode(): Code(flat[i + 1]) for i in range(0, len(flat), 2)}
+            ttl_ms, progress = _ms(self.ttl if ttl is None else ttl), 1 if check_progress else 0
+            calls = []
+            groups = self._by_shard(leases) if self.shards > 1 else {0: list(leases)}
+            for index, task_ids in groups.items():
+                shard = self.keys.shard(index)
+                start = shard.record_prefix()
+                calls.append(([shard.deadlines, shard.stats, *(start + t for t in task_ids)],
+                              [owner, ttl_ms, progress, len(start), *(leases[t] for t in task_ids)]))
+            out = {}
+            for flat in self._run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}"):
+                out.update({flat[i].decode(): Code(flat[i + 1]) for i in range(0, len(flat), 2)})
+            return out
         finally:
             if pause_gc:
                 gc.enable()
@@ -269,7 +382,7 @@ class LeaseStore:
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""
         key = self.keys.record(task_id)
-        (code,) = self._run(scripts.progress, (key, self.keys.deadlines),
+        (code,) = self._run(scripts.progress, (key, self.keys.shard_for(task_id).deadlines),
                             (task_id, owner, int(token)), f"task {task_id}, key {key}")
         _raise_unless_ok(Code(code), task_id, token)
 
@@ -281,25 +394,36 @@ class LeaseStore:
         """
         if not leases:
             return 0
-        keys = [self.keys.deadlines]
-        args: list[Any] = [owner, 1 if unstarted else 0]
-        for task_id, token in leases.items():
-            keys.append(self.keys.record(task_id))
-            args += [task_id, int(token)]
-        return int(self._run(scripts.release, keys, args, f"{len(leases)} leases of {owner}"))
+        calls = []
+        for index, task_ids in self._by_shard(leases).items():
+            keys = [self.keys.shard(index).deadlines]
+            args: list[Any] = [owner, 1 if unstarted else 0]
+            for task_id in task_ids:
+                keys.append(self.keys.record(task_id))
+                args += [task_id, int(leases[task_id])]
+            calls.append((keys, args))
+        return sum(int(n) for n in self._run_many(scripts.release, calls,
+                                                  f"{len(leases)} leases of {owner}"))
 
     def claim_expired(self, limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
-        """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua)."""
+        """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua).
+
+        ``ids`` (of any shards) are claimed with one script call per shard.
+        """
         if ids is None:
             ids = self.expired(limit or self.recover_batch)
         if not ids:
             return []
-        keys = [self.keys.deadlines, self.keys.stats]
-        for t in ids:
-            keys += [self.keys.record(t), self.keys.message(t)]
-        rows = self._run(scripts.claim_expired, keys,
-                         [self.max_recoveries, _ms(self.publish_grace), _ms(self.retention), *ids],
-                         f"{len(ids)} expired leases")
+        calls = []
+        for index, task_ids in self._by_shard(ids).items():
+            shard = self.keys.shard(index)
+            keys = [shard.deadlines, shard.stats]
+            for t in task_ids:
+                keys += [self.keys.record(t), self.keys.message(t)]
+            calls.append((keys, [self.max_recoveries, _ms(self.publish_grace), _ms(self.retention),
+                                 *task_ids]))
+        rows = [row for result in self._run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases")
+                for row in result]
         claims = []
         for task_id, code, gen, recoveries, name, body, envelope in rows:
             task_id = task_id.decode()
@@ -320,13 +444,16 @@ class LeaseStore:
         claims = list(claims)
         if not claims:
             return 0
-        keys = [self.keys.deadlines]
-        for c in claims:
-            keys += [self.keys.record(c.task_id), self.keys.message(c.task_id)]
-        args: list[Any] = [_ms(self.retention)]
-        for c in claims:
-            args += [c.task_id, c.generation]
-        return int(self._run(scripts.mark_published, keys, args, f"{len(claims)} claims"))
+        by_id = {c.task_id: c for c in claims}
+        calls = []
+        for index, task_ids in self._by_shard(c.task_id for c in claims).items():
+            keys = [self.keys.shard(index).deadlines]
+            args: list[Any] = [_ms(self.retention)]
+            for t in task_ids:
+                keys += [self.keys.record(t), self.keys.message(t)]
+                args += [t, by_id[t].generation]
+            calls.append((keys, args))
+        return sum(int(n) for n in self._run_many(scripts.mark_published, calls, f"{len(claims)} claims"))
 
     def recover(self, publish: Callable[[Claim], None] | None = None,
                 on_dead: Callable[[Claim], None] | None = None,
@@ -343,9 +470,17 @@ class LeaseStore:
             raise LeaseError("recover() needs a publish callable (celery_leases.store(app) provides one)")
         report = RecoveryReport()
         remaining = limit
-        while remaining is None or remaining > 0:
+        # Every round lists, claims and confirms on all shards with work left,
+        # each step one pipelined round trip: with many shards a pass costs
+        # about as many round trips as with one.
+        pending = list(range(self.shards))
+        while pending and (remaining is None or remaining > 0):
             batch = self.recover_batch if remaining is None else min(remaining, self.recover_batch)
-            ids = self.expired(batch)
+            found = self._expired_by_shard(pending, batch)
+            pending = [index for index, found_ids in found.items() if len(found_ids) >= batch]
+            ids = [t for found_ids in found.values() for t in found_ids]
+            if remaining is not None:
+                ids = ids[:remaining]
             if not ids:
                 break
             claims = self.claim_expired(ids=ids)
@@ -373,8 +508,6 @@ class LeaseStore:
             self.mark_published(published)
             if remaining is not None:
                 remaining -= len(ids)
-            if len(ids) < batch:
-                break
         return report
 
     def try_recovery_turn(self, owner: str, interval: float) -> bool:
@@ -417,7 +550,7 @@ class LeaseStore:
         def read() -> list:
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(key)
-            pipe.zscore(self.keys.deadlines, task_id)
+            pipe.zscore(self.keys.shard_for(task_id).deadlines, task_id)
             pipe.exists(self.keys.message(task_id))
             return pipe.execute()
 
@@ -443,26 +576,63 @@ class LeaseStore:
             raise LeaseLost(task_id, token, "lost" if state in (b"active", b"recovering") else "finished")
 
     def active(self, limit: int = 1000) -> list[tuple[str, int]]:
-        """(task id, deadline ms) of leases in the deadline index, soonest first."""
-        rows = self._read(lambda: self.client.zrange(self.keys.deadlines, 0, limit - 1, withscores=True),
-                          f"reading {self.keys.deadlines}")
-        return [(t.decode(), int(s)) for t, s in rows]
+        """(task id, deadline ms) of leases in the deadline indexes, soonest first."""
+        shards = self.keys.all_shards()
+
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for shard in shards:
+                pipe.zrange(shard.deadlines, 0, limit - 1, withscores=True)
+            return pipe.execute()
+
+        found = self._read(read, f"reading {shards[0].deadlines}" + (
+            f" and {len(shards) - 1} more deadline indexes" if len(shards) > 1 else ""))
+        rows = sorted(((int(s), t.decode()) for rows in found for t, s in rows))[:limit]
+        return [(t, s) for s, t in rows]
 
     def expired(self, limit: int = 1000) -> list[str]:
-        """Task ids whose deadline passed, by the server clock."""
-        rows = self._run(scripts.expired, (self.keys.deadlines,), (int(limit),), "listing expired leases")
-        return [t.decode() for t in rows[1:]]
+        """Task ids whose deadline passed, by the server clock (up to ``limit``, of any shards)."""
+        out: list[str] = []
+        for ids in self._expired_by_shard(range(self.shards), limit).values():
+            out += ids
+        return out[:limit]
 
-    def server_time_ms(self) -> int:
-        seconds, micros = self._read(self.client.time, "reading the server clock")
+    def _expired_by_shard(self, shards: Iterable[int], limit: int) -> dict[int, list[str]]:
+        """Up to ``limit`` expired task ids of each of ``shards`` (each by its own master's clock)."""
+        shards = list(shards)
+        calls = [((self.keys.shard(i).deadlines,), (int(limit),)) for i in shards]
+        results = self._run_many(scripts.expired, calls, "listing expired leases")
+        return {i: [t.decode() for t in rows[1:]] for i, rows in zip(shards, results)}
+
+    def server_time_ms(self, key: str | None = None) -> int:
+        """The server clock in ms; on a cluster, of the master holding ``key`` (else any node)."""
+        def read() -> Any:
+            if key is not None and hasattr(self.client, "get_node_from_key"):
+                return self.client.time(target_nodes=self.client.get_node_from_key(key))
+            return self.client.time()
+        seconds, micros = self._read(read, "reading the server clock")
         return int(seconds) * 1000 + int(micros) // 1000
 
     def stats(self) -> dict[str, int]:
-        """Lifetime counters of this prefix plus the number of leases in the index."""
-        raw = self._read(lambda: self.client.hgetall(self.keys.stats), f"reading {self.keys.stats}")
-        out = {k.decode(): int(v) for k, v in raw.items()}
-        out["indexed"] = int(self._read(lambda: self.client.zcard(self.keys.deadlines),
-                                        f"reading {self.keys.deadlines}"))
+        """Lifetime counters of this prefix plus the number of leases in the index (summed over shards)."""
+        shards = self.keys.all_shards()
+
+        def read() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for shard in shards:
+                pipe.hgetall(shard.stats)
+                pipe.zcard(shard.deadlines)
+            return pipe.execute()
+
+        rows = self._read(read, f"reading {shards[0].stats}" + (
+            f" and {len(shards) - 1} more shards" if len(shards) > 1 else ""))
+        out: dict[str, int] = {}
+        indexed = 0
+        for raw, count in zip(rows[::2], rows[1::2]):
+            for k, v in raw.items():
+                out[k.decode()] = out.get(k.decode(), 0) + int(v)
+            indexed += int(count)
+        out["indexed"] = indexed
         return out
 
     def expire_now(self, task_id: str) -> bool:
@@ -476,16 +646,51 @@ class LeaseStore:
         heartbeat: an owner that still renews pushes the deadline back at its
         next tick (``celery_leases.testing.make_stale`` expires and claims).
         """
-        now = self.server_time_ms()
+        deadlines = self.keys.shard_for(task_id).deadlines
+        now = self.server_time_ms(deadlines)
 
         def rescore() -> list:
             pipe = self.client.pipeline(transaction=True)
-            pipe.zadd(self.keys.deadlines, {task_id: now}, xx=True)
-            pipe.zscore(self.keys.deadlines, task_id)
+            pipe.zadd(deadlines, {task_id: now}, xx=True)
+            pipe.zscore(deadlines, task_id)
             return pipe.execute()
 
-        _, score = self._read(rescore, f"rescoring {task_id} in {self.keys.deadlines}")
+        _, score = self._read(rescore, f"rescoring {task_id} in {deadlines}")
         return score is not None
+
+    def other_layout(self) -> tuple[int, int] | None:
+        """(shard count, leases indexed) of another layout of this prefix still holding live leases.
+
+        Changing leases_shards moves every task to other key names: leases
+        written under the old count are no longer renewed, recovered or
+        refused by the new one. This looks at the layout last recorded by a
+        sharded store (``Keys.layout``) and, for a sharded store, at the
+        one-shard layout; it records this store's count once no other layout
+        holds live leases. None when nothing is stranded.
+        """
+        marker = self._read(lambda: self.client.get(self.keys.layout), f"reading {self.keys.layout}")
+        previous = int(marker) if marker and marker.isdigit() else None
+        candidates = {previous} if previous and previous != self.shards else set()
+        if self.shards > 1:
+            candidates.add(1)
+        for count in sorted(c for c in candidates if c):
+            keys = Keys(self.keys.prefix, count).all_shards()
+
+            def read(keys: list[ShardKeys] = keys) -> list:
+                pipe = self.client.pipeline(transaction=False)
+                for shard in keys:
+                    pipe.zcard(shard.deadlines)
+                return pipe.execute()
+
+            indexed = sum(int(n) for n in self._read(read, f"reading the deadline indexes of {count} shards"))
+            if indexed:
+                return count, indexed
+        if previous != self.shards:
+            if self.shards > 1:
+                self._read(lambda: self.client.set(self.keys.layout, self.shards), f"setting {self.keys.layout}")
+            elif previous is not None:
+                self._read(lambda: self.client.delete(self.keys.layout), f"deleting {self.keys.layout}")
+        return None
 
     # -- inspection and maintenance (the operators' CLI) ----------------------
 
@@ -507,7 +712,7 @@ class LeaseStore:
             for key, task_id in zip(keys, task_ids):
                 pipe.hmget(key, fields)
                 pipe.exists(self.keys.message(task_id))
-                pipe.zscore(self.keys.deadlines, task_id)
+                pipe.zscore(self.keys.shard_for(task_id).deadlines, task_id)
             return pipe.execute(raise_on_error=False)
 
         rows = self._read(read, f"reading {len(keys)} lease records")
@@ -539,9 +744,8 @@ class LeaseStore:
         logged and skipped. Stops after ``limit`` matching records.
         """
         out: list[LeaseRecord] = []
-        start = len(self.keys.record_prefix())
-        for keys in self._scan_record_keys(count):
-            for record in self.records([k[start:] for k in keys], skip_corrupt=True):
+        for batch in self._scan_record_keys(count):
+            for record in self.records([t for _, t in batch], skip_corrupt=True):
                 if state is not None and record.state != state:
                     continue
                 out.append(record)
@@ -563,12 +767,12 @@ class LeaseStore:
             return sum(1 for r in self.scan(count=count)
                        if r.state in TERMINAL_STATES and r.finished_at <= cutoff)
         purged = 0
-        start = len(self.keys.record_prefix())
-        for keys in self._scan_record_keys(count):
-            _, n = self._run(scripts.purge, [self.keys.deadlines, *keys],
-                             [_ms(older_than), *(k[start:] for k in keys)],
-                             f"{len(keys)} records")
-            purged += int(n)
+        for batch in self._scan_record_keys(count):
+            calls = []
+            for index, task_ids in self._by_shard(t for _, t in batch).items():
+                calls.append(([self.keys.shard(index).deadlines, *map(self.keys.record, task_ids)],
+                              [_ms(older_than), *task_ids]))
+            purged += sum(int(n) for _, n in self._run_many(scripts.purge, calls, f"{len(batch)} records"))
         return purged
 
     def held_for(self, task_id: str) -> float | None:
@@ -577,30 +781,54 @@ class LeaseStore:
         None when there is no record (or it was never acquired).
         """
         key = self.keys.record(task_id)
-
-        def read() -> list:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hget(key, "acquired_at")
-            pipe.time()
-            return pipe.execute()
-
-        acquired_at, (seconds, micros) = self._read(read, f"reading {key} of task {task_id}")
+        acquired_at = self._read(lambda: self.client.hget(key, "acquired_at"),
+                                 f"reading {key} of task {task_id}")
         if not acquired_at:
             return None
-        return max(0.0, (int(seconds) * 1000 + int(micros) // 1000 - int(acquired_at)) / 1000.0)
+        return max(0.0, (self.server_time_ms(key) - int(acquired_at)) / 1000.0)
 
-    def _scan_record_keys(self, count: int) -> Iterable[list[str]]:
-        """Batches of record key names (str) found by SCAN MATCH on the record prefix."""
-        match = _glob_escape(self.keys.record_prefix()) + "*"
-        cursor = 0
-        while True:
-            cursor, keys = self._read(
-                lambda: self.client.scan(cursor, match=match, count=count),
-                f"scanning {match}")
-            if keys:
-                yield [k.decode() if isinstance(k, bytes) else k for k in keys]
-            if int(cursor) == 0:
-                return
+    def _scan_record_keys(self, count: int) -> Iterable[list[tuple[str, str]]]:
+        """Batches of (record key, task id) found by SCAN MATCH on the record prefix.
+
+        One pattern covers every shard; on a cluster each master is scanned.
+        Keys of another prefix or shard count that the pattern also matches
+        are left out.
+        """
+        if self.shards == 1:
+            match = _glob_escape(self.keys.record_prefix()) + "*"
+        else:
+            match = _glob_escape("{" + self.keys.prefix + ":") + "[0-9]*}:lease:*"
+        nodes = self.client.get_primaries() if hasattr(self.client, "get_primaries") else [None]
+        for node in nodes:
+            target = {} if node is None else {"target_nodes": node}
+            cursor = 0
+            while True:
+                cursor, keys = self._read(
+                    lambda: self._scan_one(cursor, match, count, target), f"scanning {match}")
+                batch = [parsed for parsed in map(self._parse_record_key, keys) if parsed]
+                if batch:
+                    yield batch
+                if int(cursor) == 0:
+                    break
+
+    def _scan_one(self, cursor: int, match: str, count: int, target: dict) -> tuple[int, list]:
+        cursor_out, keys = self.client.scan(cursor, match=match, count=count, **target)
+        if isinstance(cursor_out, dict):  # RedisCluster answers per node
+            (cursor_out,) = cursor_out.values()
+        return cursor_out, keys
+
+    def _parse_record_key(self, key: Any) -> tuple[str, str] | None:
+        """(key, task id) when ``key`` is a record key of this store's layout, else None."""
+        key = key.decode() if isinstance(key, bytes) else key
+        if self.shards == 1:
+            return key, key[len(self.keys.record_prefix()):]
+        tag, sep, task_id = key.partition("}:lease:")
+        if not sep:
+            return None
+        index = tag[len(self.keys.prefix) + 2:]
+        if not index.isdigit() or int(index) >= self.shards or self.keys.shard_of(task_id) != int(index):
+            return None
+        return key, task_id
 
 
 def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> None:
@@ -610,6 +838,14 @@ def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> N
     reason = {Code.LOST: "lost", Code.FINISHED: f"already finished ({state})" if state else "finished",
               Code.MISSING: "missing"}.get(code, code.name.lower())
     raise LeaseLost(task_id, token, reason)
+
+
+def _redirected(error: Exception) -> bool:
+    """True for a cluster's "ask that other node" answers (the slot moved, a failover)."""
+    text = str(error)
+    return text.startswith(("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")) or \
+        type(error).__name__ in ("MovedError", "AskError", "TryAgainError", "ClusterDownError",
+                                 "MasterDownError")
 
 
 def _glob_escape(text: str) -> str:

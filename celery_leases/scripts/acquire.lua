@@ -24,6 +24,7 @@
     ARGV[9] message body ('' keeps the stored one)
     ARGV[10] message envelope, JSON ('' keeps the stored one)
     ARGV[11] retention in ms of a record that turns dead here
+    ARGV[12] 1 to draw the token no lower than the server clock in µs (sharded stores), 0 not to
 
   Output: {code, token, generation, recoveries, state}
     ACQUIRED    the caller owns the lease with the new token
@@ -84,22 +85,29 @@ if state then
 end
 
 local new_token = redis.call('INCR', seq)
-if new_token <= token then
-  new_token = token + 1
-  redis.call('SET', seq, new_token)
+local floor = token + 1
+if ARGV[12] == '1' then
+  -- Each shard has its own sequence: tokens of different shards are ordered by
+  -- the masters' clocks instead (now in µs stays exact below 2^53 in Lua).
+  floor = math.max(floor, now * 1000)
+end
+if new_token < floor then
+  new_token = floor
+  redis.call('SET', seq, string.format('%d', new_token))
 end
 if msg_gen > generation then generation = msg_gen end
 
+local tok = string.format('%d', new_token)
 local deadline = now + ttl
 local progress_deadline = 0
 if progress_timeout > 0 then progress_deadline = now + progress_timeout end
 local fields = {
-  'task_id', task_id, 'state', 'active', 'token', new_token, 'owner', owner,
-  'holder', new_token .. '@' .. owner, 'ttl', ttl, 'generation', generation,
+  'task_id', task_id, 'state', 'active', 'token', tok, 'owner', owner,
+  'holder', tok .. '@' .. owner, 'ttl', ttl, 'generation', generation,
   'recoveries', recoveries, 'attempt', msg_attempt,
   'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
   'acquired_at', now, 'name', ARGV[8], 'unstarted', '0', 'max_recoveries', max_recoveries,
-  history_fields(key, num(rec, key, 'hn'), new_token .. '@' .. owner .. '@' .. now)}
+  history_fields(key, num(rec, key, 'hn'), tok .. '@' .. owner .. '@' .. string.format('%d', now))}
 redis.call('HSET', key, unpack(fields))
 if ARGV[9] ~= '' then
   redis.call('HSET', message, 'body', ARGV[9], 'envelope', ARGV[10])
