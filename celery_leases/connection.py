@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, LeaseUnavailable
 
 __all__ = ["connect", "redact", "describe", "SCHEMES"]
 
@@ -40,11 +40,13 @@ def _cluster(url: str, options: Mapping[str, Any], kwargs: dict) -> Any:
     """A RedisCluster for ``redis+cluster://[user:password@]host:port[,host:port...][/]``.
 
     The listed nodes are only where discovery starts (CLUSTER SLOTS): one live
-    node is enough. ``rediss+cluster://`` connects with TLS. A cluster has no
+    node is enough (the client connects at once, and raises LeaseUnavailable
+    when none answers). ``rediss+cluster://`` connects with TLS. A cluster has no
     databases, so a path other than ``/`` or ``/0`` is an error; the
     kombu-style ``transport_options`` are not used.
     """
     from redis.cluster import ClusterNode, RedisCluster
+    from redis.exceptions import RedisClusterException
 
     nodes, username, password, query = _parse_cluster_url(url)
     for name, values in query.items():
@@ -62,7 +64,12 @@ def _cluster(url: str, options: Mapping[str, Any], kwargs: dict) -> Any:
         kwargs["username"] = username
     if password:
         kwargs["password"] = password
-    return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **kwargs)
+    try:
+        # Unlike Redis(), RedisCluster connects at once: it reads the slot map.
+        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **kwargs)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise LeaseUnavailable(f"leases_redis_url {redact(url)}: no node of the Redis Cluster "
+                               f"gave its slot map: {exc}") from exc
 
 
 def _parse_cluster_url(url: str) -> "tuple[list[tuple[str, int]], str | None, str | None, dict]":

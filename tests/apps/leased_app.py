@@ -6,7 +6,7 @@ prefix and queue:
 
 LEASES_TEST_BROKER / LEASES_TEST_BACKEND / LEASES_TEST_LEASES_URL: URLs;
 LEASES_TEST_PREFIX: key prefix (also the queue name);
-LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, ...: see create_app.
+LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, LEASES_TEST_SHARDS, ...: see create_app.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import signal
 import time
 from typing import Mapping
 
-import redis
 from celery import Celery
 
 import celery_leases
 from celery_leases import LeasedTask
+from celery_leases.connection import connect
 
 
 def create_app(env: Mapping[str, str]) -> Celery:
@@ -35,6 +35,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_ttl=float(get("LEASES_TEST_TTL", "2")),
         leases_recovery_interval=float(get("LEASES_TEST_RECOVERY_INTERVAL", "1")),
         leases_max_recoveries=int(get("LEASES_TEST_MAX_RECOVERIES", "3")),
+        leases_shards=int(get("LEASES_TEST_SHARDS", "1")),
         leases_worker_recovery=get("LEASES_TEST_WORKER_RECOVERY", "0") == "1",
         leases_on_lost=get("LEASES_TEST_ON_LOST", "flag"),
         leases_unavailable_retry_delay=float(get("LEASES_TEST_UNAVAILABLE_DELAY", "5")),
@@ -48,7 +49,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         worker_hijack_root_logger=False,
     )
     celery_leases.install(app)
-    sink = redis.Redis.from_url(app.conf.leases_redis_url)
+    sink = connect(app.conf.leases_redis_url)  # a Redis Cluster too (tests/test_cluster.py)
 
     def record(event: str, task_id: str, **fields: object) -> None:
         """Append an execution event to the test's history list."""

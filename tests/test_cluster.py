@@ -1,0 +1,345 @@
+"""The lease store and real workers on a real local Redis Cluster, including master failovers.
+
+One cluster for the module: three masters with one replica each on loopback
+ports (``RedisClusterServer``), a low ``cluster-node-timeout`` so a killed
+master's replica is promoted in about two seconds. The failover tests run
+last: each kills a different master.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from uuid import uuid4
+
+import pytest
+from redis.crc import key_slot
+
+from celery_leases.checks import run_checks
+from celery_leases.codes import Code
+from celery_leases.config import get_config
+from celery_leases.connection import connect, describe
+from celery_leases.exceptions import ConfigurationError, LeaseLost, LeaseUnavailable
+from celery_leases.keys import Keys
+from celery_leases.processes import RedisClusterServer, RedisServerError, wait_for
+from celery_leases.store import LeaseStore
+
+SHARDS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    try:
+        server = RedisClusterServer(masters=3, replicas=1, node_timeout=1500,
+                                    dir=tmp_path_factory.mktemp("cluster"))
+        server.start()
+    except RedisServerError as exc:
+        pytest.fail(f"could not start a local Redis Cluster: {exc}")
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def client(cluster):
+    client = cluster.client(socket_timeout=5, socket_connect_timeout=2)
+    yield client
+    client.close()
+
+
+def master_port(client, key: str) -> int:
+    """Port of the master serving ``key``'s slot, as the cluster client maps it."""
+    return client.get_node_from_key(key).port
+
+
+def spread_prefix(client, shards: int = SHARDS) -> str:
+    """A fresh key prefix whose shards land on every master (so the tests exercise all three)."""
+    masters = {n.port for n in client.get_primaries()}
+    for _ in range(200):
+        prefix = f"t{uuid4().hex[:10]}"
+        keys = Keys(prefix, shards)
+        if {master_port(client, s.deadlines) for s in keys.all_shards()} == masters:
+            return prefix
+    raise AssertionError("no prefix spreads its shards over every master")
+
+
+def task_ids_on_every_shard(keys: Keys, per_shard: int) -> list[str]:
+    ids: dict[int, list[str]] = {i: [] for i in range(keys.shards)}
+    n = 0
+    while any(len(v) < per_shard for v in ids.values()):
+        task_id = f"task-{n}"
+        n += 1
+        if len(ids[keys.shard_of(task_id)]) < per_shard:
+            ids[keys.shard_of(task_id)].append(task_id)
+    return [t for v in ids.values() for t in v]
+
+
+# -- URLs ------------------------------------------------------------------------
+
+
+def test_cluster_url_errors_name_the_setting_and_hide_the_password():
+    with pytest.raises(ConfigurationError, match=r"leases_redis_url redis\+cluster://u:\*\*\*@h:1/3.*database 0"):
+        connect("redis+cluster://u:secret@h:1/3")
+    with pytest.raises(ConfigurationError, match="port 'x' of node 'h' is not a number") as info:
+        connect("redis+cluster://u:secret@h:x")
+    assert "secret" not in str(info.value)
+    with pytest.raises(ConfigurationError, match="unknown option 'db'"):
+        connect("redis+cluster://h:1?db=2")
+
+
+def test_acl_user_and_password_reach_every_node(cluster):
+    # Given a user with a password on every node (the default user is left alone)
+    for node in cluster.nodes:
+        with node.client() as c:
+            c.execute_command("ACL", "SETUSER", "leases", "on", ">s3cret", "~*", "&*", "+@all")
+    url = cluster.url.replace("redis+cluster://", "redis+cluster://leases:s3cret@")
+    # When the store connects with the URL's credentials
+    client = connect(url)
+    try:
+        store = LeaseStore(client, f"t{uuid4().hex[:10]}", shards=3)
+        # Then it works as that user, and describing the store shows no password
+        assert store.acquire("a", "w").owned
+        assert client.acl_whoami() == "leases"
+        assert "s3cret" not in store.description and store.description.startswith("redis+cluster://127.0.0.1:")
+    finally:
+        client.close()
+    refused = "leases_redis_url .*leases:\\*\\*\\*@.*invalid username-password"
+    with pytest.raises(LeaseUnavailable, match=refused) as info:
+        connect(url.replace("s3cret", "wrong"))
+    assert "wrong" not in str(info.value)
+
+
+# -- the store, sharded over the masters ---------------------------------------------------
+
+
+def test_one_shard_keeps_todays_key_names_and_one_slot():
+    keys = Keys("app")
+    assert (keys.record("t"), keys.message("t"), keys.deadlines, keys.sequence, keys.stats) == (
+        "{app}:lease:t", "{app}:msg:t", "{app}:deadlines", "{app}:seq", "{app}:stats")
+    sharded = Keys("app", 4)
+    s = sharded.shard_of("t")
+    assert sharded.record("t") == f"{{app:{s}}}:lease:t"
+    assert key_slot(sharded.record("t").encode()) == key_slot(sharded.shard(s).deadlines.encode())
+    assert sharded.fence("r") == "{app}:fence:r" and sharded.recovery_guard == "{app}:recovery-guard"
+    with pytest.raises(ValueError, match="leases_shards must be an integer >= 1"):
+        Keys("app", 0)
+
+
+def test_store_main_paths_across_shards_on_three_masters(client):
+    prefix = spread_prefix(client)
+    store = LeaseStore(client, prefix, shards=SHARDS, ttl=30, publish_grace=5)
+    ids = task_ids_on_every_shard(store.keys, per_shard=3)
+    assert len({master_port(client, store.keys.record(t)) for t in ids}) == 3
+
+    # acquire: every task of every shard, each token above the clock floor
+    tokens = {}
+    for t in ids:
+        acq = store.acquire(t, "w1", body=b"body-" + t.encode(), envelope={"id": t}, name="job")
+        assert acq.code is Code.ACQUIRED
+        tokens[t] = acq.token
+    # renew_many: one call per shard, all renewed, deadlines pushed on every shard
+    before = {t: store.get(t).deadline for t in ids}
+    time.sleep(0.01)
+    assert store.renew_many("w1", tokens) == {}
+    assert all(store.get(t).deadline > before[t] for t in ids)
+    # a lease of another owner is reported, not renewed
+    assert store.renew_many("w2", {ids[0]: tokens[ids[0]]}) == {ids[0]: Code.LOST}
+
+    # finish: one task per shard succeeds
+    finished = ids[::3]
+    for t in finished:
+        store.finish(t, "w1", tokens[t], "succeeded")
+    with pytest.raises(LeaseLost):
+        store.finish(finished[0], "w1", tokens[finished[0]], "failed")
+
+    # recover: expire one task per shard; one pass claims them on every shard
+    expired = ids[1::3]
+    for t in expired:
+        assert store.expire_now(t)
+    published = []
+    report = store.recover(publish=published.append)
+    assert report.recovered == len(expired) and sorted(c.task_id for c in published) == sorted(expired)
+    assert all(c.body == b"body-" + c.task_id.encode() and c.envelope == {"id": c.task_id} for c in published)
+    # the recovered copies acquire again: new tokens, strictly above the old ones of the same task
+    for claim in published:
+        acq = store.acquire(claim.task_id, "w2", generation=claim.generation)
+        assert acq.code is Code.ACQUIRED and acq.token > tokens[claim.task_id]
+        assert store.get(claim.task_id).recoveries == 1
+    # the old owner's renewal now learns it lost them
+    assert store.renew_many("w1", {t: tokens[t] for t in expired}) == {t: Code.LOST for t in expired}
+
+    # stats and listings aggregate every shard
+    stats = store.stats()
+    assert stats["acquired"] == len(ids) + len(expired)
+    assert stats["recovered"] == len(expired) and stats["succeeded"] == len(finished)
+    assert stats["indexed"] == len(ids) - len(finished)
+    assert sorted(t for t, _ in store.active()) == sorted(set(ids) - set(finished))
+    assert {r.task_id for r in store.scan(state="succeeded")} == set(finished)
+    assert [r.task_id for r in store.records(ids)] == ids
+    assert store.purge(dry_run=True) == len(finished)
+    assert store.purge() == len(finished) and store.get(finished[0]) is None
+    assert store.other_layout() is None
+
+
+def test_tokens_of_different_shards_follow_the_masters_clock(client):
+    # Given tasks on different shards (so different masters and sequences), acquired one after another
+    prefix = spread_prefix(client)
+    store = LeaseStore(client, prefix, shards=SHARDS)
+    ids = task_ids_on_every_shard(store.keys, per_shard=2)
+    tokens = []
+    for t in ids:
+        tokens.append(store.acquire(t, "w").token)
+        time.sleep(0.002)  # more than the clock resolution (1 ms) and the skew of one host's clocks (0)
+    # Then each later acquisition has a greater token, whatever its shard
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    # and a fenced write of an earlier owner after a later one is refused, across shards
+    from celery_leases.fencing import fenced_set
+    assert fenced_set(client, prefix, "r", tokens[-1], "late")
+    assert not fenced_set(client, prefix, "r", tokens[0], "early", raise_on_stale=False)
+
+
+def test_changing_the_shard_count_is_reported_by_the_startup_check(client):
+    from celery import Celery
+    prefix = f"t{uuid4().hex[:10]}"
+    old = LeaseStore(client, prefix)
+    old.acquire("x", "w")
+    app = Celery("shards-check", set_as_current=False)
+    app.conf.update(leases_redis_url="redis+cluster://127.0.0.1:1", leases_key_prefix=prefix, leases_shards=4)
+    new = LeaseStore(client, prefix, shards=4)
+    findings = [f for f in run_checks(app, get_config(app), new) if f.check == "shards"]
+    assert len(findings) == 1 and "1 live lease(s)" in findings[0].message
+    assert "leases_shards=1" in findings[0].message and "leases_shards=4" in findings[0].message
+    # Once the old layout holds no live lease the new count is recorded; going back is reported too
+    old.finish("x", "w", old.get("x").token, "succeeded")
+    assert new.other_layout() is None
+    new.acquire("y", "w")
+    assert old.other_layout() == (4, 1)
+
+
+def test_shards_setting_is_validated_with_its_name():
+    from celery import Celery
+    app = Celery("bad-shards", set_as_current=False)
+    app.conf.update(leases_redis_url="redis://127.0.0.1:1/0", leases_shards=0)
+    with pytest.raises(ConfigurationError, match="leases_shards must be an integer >= 1, got 0"):
+        get_config(app)
+    app.conf.update(leases_shards="many")
+    with pytest.raises(ConfigurationError, match="leases_shards must be an integer"):
+        get_config(app, shards="many")
+
+
+# -- real workers whose lease store is the cluster ------------------------------------------
+
+
+def test_worker_on_cluster_runs_leased_tasks_and_recovery_survives_a_sigkill(
+        cluster, client, celery_env, start_worker, client_app):
+    # Given workers whose broker/backend is the suite's standalone Redis and whose lease store is the cluster
+    env = {"LEASES_TEST_LEASES_URL": cluster.url, "LEASES_TEST_SHARDS": str(SHARDS),
+           "LEASES_TEST_WORKER_RECOVERY": "1"}
+    celery_env.update(env)
+    app = client_app
+    app.conf.update(leases_redis_url=cluster.url, leases_shards=SHARDS)
+    store = LeaseStore(client, celery_env["LEASES_TEST_PREFIX"], shards=SHARDS)
+    a = start_worker("a", pool="threads", concurrency=4, **env)
+    # When it runs leased tasks
+    results = [app.send_task("tests.apps.leased_app.add", (i, i)) for i in range(8)]
+    assert [r.get(timeout=20) for r in results] == [2 * i for i in range(8)]
+    records = store.records([r.id for r in results])
+    assert {r.state for r in records} == {"succeeded"} and len(records) == 8
+    assert len({store.keys.shard_of(r.id) for r in results}) > 1
+    # and a long task is running when the worker is SIGKILLed
+    long = app.send_task("tests.apps.leased_app.sleep_then_echo", ("survivor", 30.0))
+    first = wait_for(lambda: (r := store.get(long.id)) and r.state == "active" and r, 20, "the long task's lease")
+    a.kill()
+    # Then another worker's recovery re-runs it from the cluster's record, under a greater token
+    start_worker("b", pool="threads", concurrency=2, LEASES_TEST_TTL="2", **env)
+    wait_for(lambda: (r := store.get(long.id)) and r.recoveries == 1 and r.state == "active", 30,
+             "the recovered task to be running again")
+    again = store.get(long.id)
+    assert again.token > first.token and again.owner != first.owner
+    assert store.stats()["recovered"] >= 1
+
+
+# -- failover: a master dies, its replica is promoted ----------------------------------------
+
+
+def wait_replicated(client, master, replica) -> None:
+    """WAIT on the connection the store wrote with, then check the replica's offset."""
+    node = client.get_node(host="127.0.0.1", port=master.port)
+    assert client.get_redis_connection(node).execute_command("WAIT", 1, 5000) >= 1
+    wait_for(lambda: _replicated(master, replica), 10, "the replica to hold every write")
+
+
+def _replicated(master, replica) -> bool:
+    with master.client() as m, replica.client() as r:
+        return int(r.info("replication")["slave_repl_offset"]) >= int(m.info("replication")["master_repl_offset"])
+
+
+def test_leases_replicated_before_a_master_dies_survive_its_failover(cluster, client):
+    # Given leases on every shard, and the master of shard 0 with its replica in sync (WAIT)
+    prefix = spread_prefix(client)
+    store = LeaseStore(client, prefix, shards=SHARDS, ttl=30, publish_grace=5)
+    ids = task_ids_on_every_shard(store.keys, per_shard=4)
+    tokens = {t: store.acquire(t, "w1", body=b"b", envelope={}).token for t in ids}
+    victim_port = master_port(client, store.keys.shard(0).deadlines)
+    victim = next(n for n in cluster.nodes if n.port == victim_port)
+    (replica,) = cluster.replicas_of(victim)
+    on_victim = [t for t in ids if master_port(client, store.keys.record(t)) == victim_port]
+    wait_replicated(client, victim, replica)
+    # When the master is SIGKILLed and its replica promoted
+    promoted = cluster.kill_master(victim)
+    assert promoted is replica
+    # Then every lease is still there with its token and owner
+    records = {r.task_id: r for r in store.records(ids)}
+    assert set(records) == set(ids)
+    assert all(records[t].token == tokens[t] and records[t].owner == "w1" for t in ids)
+    # heartbeat, finish and recovery keep working on the promoted master's shards
+    assert store.renew_many("w1", tokens) == {}
+    done, lapse = on_victim[0], on_victim[1]
+    store.finish(done, "w1", tokens[done], "succeeded")
+    assert store.expire_now(lapse)
+    published = []
+    assert store.recover(publish=published.append).recovered == 1 and published[0].task_id == lapse
+    acq = store.acquire(lapse, "w2", generation=published[0].generation)
+    assert acq.owned and acq.token > tokens[lapse]
+    assert store.renew_many("w1", {lapse: tokens[lapse]}) == {lapse: Code.LOST}
+
+
+def test_a_lease_not_yet_replicated_when_its_master_dies_is_lost_as_documented(cluster, client):
+    # Given a master with a replica that has every write so far, then falls behind: the replica is
+    # stopped and a large write fills the replication socket, so what follows stays in the master
+    prefix = spread_prefix(client)
+    store = LeaseStore(client, prefix, shards=SHARDS, ttl=30)
+    masters = {n.port for n in cluster.masters() if cluster.replicas_of(n)}
+    ids = [t for t in task_ids_on_every_shard(store.keys, per_shard=4)
+           if master_port(client, store.keys.record(t)) in masters]
+    kept, lost = ids[0], next(t for t in ids[1:] if master_port(client, store.keys.record(t))
+                              == master_port(client, store.keys.record(ids[0])))
+    victim = next(n for n in cluster.nodes if n.port == master_port(client, store.keys.record(kept)))
+    (replica,) = cluster.replicas_of(victim)
+    kept_token = store.acquire(kept, "w1").token
+    wait_replicated(client, victim, replica)
+    os.kill(replica.process.pid, signal.SIGSTOP)
+    try:
+        filler = store.keys.shard_for(kept).tag + ":filler"
+        client.set(filler, b"x" * (48 << 20))  # beyond the loopback socket buffers
+        # When a lease is acquired on the master while the replica cannot receive it, and the master dies
+        lost_token = store.acquire(lost, "w1").token
+    finally:
+        promoted = cluster.kill_master(victim, replicas=[replica],
+                                       on_killed=lambda: os.kill(replica.process.pid, signal.SIGCONT))
+    assert promoted is replica
+    # Then the replicated lease survives, the unreplicated one is gone with the master:
+    assert store.get(kept).token == kept_token
+    assert store.get(lost) is None
+    # its owner learns at its next heartbeat that the record is missing (the worker flags the lease lost)
+    assert store.renew_many("w1", {kept: kept_token, lost: lost_token}) == {lost: Code.MISSING}
+    # and its outcome is refused, so nothing of that execution is accepted
+    with pytest.raises(LeaseLost, match="missing"):
+        store.finish(lost, "w1", lost_token, "succeeded")
+    # no recovery re-runs it (it is in no deadline index); a new delivery of its message may acquire it,
+    # with a token above the lost one because tokens on a cluster follow the masters' clocks
+    assert lost not in store.expired()
+    again = store.acquire(lost, "w2")
+    assert again.owned and again.token > lost_token
+    assert describe(client).startswith("redis+cluster://")
