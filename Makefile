@@ -60,3 +60,11 @@ WORKERS ?= 3
 .PHONY: chaos
 chaos: venv
 	$(VENV)/bin/python -m chaos.run --seed $(SEED) --tasks $(TASKS) --duration $(DURATION) --workers $(WORKERS) --mode both
+
+# -- Redis Cluster -------------------------------------------------------------
+# The Redis Cluster tests alone, verbosely (they also run in make test, ~30 s):
+# a local cluster of 3 masters + 1 replica each, the store across shards, a
+# real worker, and master failovers (docs/cluster.md).
+.PHONY: cluster
+cluster: venv
+	$(VENV)/bin/pytest -v -p no:cacheprovider --durations=0 tests/test_cluster.py

@@ -2,8 +2,9 @@
 
 One ``renew_many`` call per tick covers all leases the worker holds, whatever
 their number (one call per distinct ttl / progress-timeout class, in practice
-one). A thread (not the event loop's timer) because the solo pool
-blocks the loop while a task runs; a CPU-bound prefork child cannot starve it
+one; with leases_shards above 1 it makes one script call per shard, pipelined).
+A thread (not the event loop's timer) because the solo pool blocks the loop
+while a task runs; a CPU-bound prefork child cannot starve it
 either, since it lives in the main process. A failing tick is logged, counted
 and retried on the next one: the thread never dies quietly.
 """

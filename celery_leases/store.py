@@ -244,6 +244,8 @@ class LeaseStore:
         slot map). A call that meets a redirection (MOVED, ASK, a failover
         under way) or an error of its node's connection is repeated alone
         through the cluster client, which follows the new map and retries.
+        Every master gets its calls even when one fails; then the first
+        error is raised.
         """
         cluster: Any = self.client
         by_node: dict[str, list[int]] = {}
@@ -257,6 +259,7 @@ class LeaseStore:
             nodes[name] = node
             by_node.setdefault(name, []).append(i)
         out: list[Any] = [None] * len(calls)
+        first_error: LeaseError | None = None
         for name, indexes in by_node.items():
             results: list[Any] = [None] * len(indexes)
             node = nodes[name]
@@ -270,15 +273,20 @@ class LeaseStore:
                 except Exception:  # noqa: BLE001 - each call is repeated alone below
                     results = [None] * len(indexes)
             for i, result in zip(indexes, results):
-                if result is None or isinstance(result, (NoScriptError, ResponseError, RedisConnectionError)):
-                    if isinstance(result, ResponseError) and not _redirected(result) and \
-                            not isinstance(result, NoScriptError):
+                try:
+                    if result is None or isinstance(result, (NoScriptError, RedisConnectionError)) or (
+                            isinstance(result, ResponseError) and _redirected(result)):
+                        keys, args = calls[i]
+                        result = self._run(script, keys, args, what)
+                    elif isinstance(result, Exception):
                         raise self._script_error(script, result, what) from result
-                    keys, args = calls[i]
-                    result = self._run(script, keys, args, what)
-                elif isinstance(result, Exception):
-                    raise self._script_error(script, result, what) from result
+                except LeaseError as exc:
+                    # The other masters' calls still run (a heartbeat still
+                    # renews the shards that answer); the first error is raised.
+                    first_error = first_error or exc
                 out[i] = result
+        if first_error is not None:
+            raise first_error
         return out
 
     def _by_shard(self, task_ids: Iterable[str]) -> dict[int, list[str]]:
