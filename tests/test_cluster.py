@@ -142,9 +142,12 @@ def test_store_main_paths_across_shards_on_three_masters(client):
         acq = store.acquire(t, "w1", body=b"body-" + t.encode(), envelope={"id": t}, name="job")
         assert acq.code is Code.ACQUIRED
         tokens[t] = acq.token
-    # renew_many: one call per shard, all renewed, deadlines pushed on every shard
+    # renew_many: one call per shard, all renewed, deadlines pushed on every shard, even when the
+    # masters lost their script cache (as after a restart or failover: NOSCRIPT, then the full source)
     before = {t: store.get(t).deadline for t in ids}
     time.sleep(0.01)
+    for node in client.get_primaries():
+        client.get_redis_connection(node).script_flush()
     assert store.renew_many("w1", tokens) == {}
     assert all(store.get(t).deadline > before[t] for t in ids)
     # a lease of another owner is reported, not renewed
@@ -184,6 +187,24 @@ def test_store_main_paths_across_shards_on_three_masters(client):
     assert store.purge(dry_run=True) == len(finished)
     assert store.purge() == len(finished) and store.get(finished[0]) is None
     assert store.other_layout() is None
+
+
+def test_sharded_store_on_one_server(redis_client, key_prefix):
+    # Given a single Redis and four shards: the per-shard calls share one pipelined round trip
+    store = LeaseStore(redis_client, key_prefix, shards=4, ttl=30)
+    ids = task_ids_on_every_shard(store.keys, per_shard=2)
+    tokens = {t: store.acquire(t, "w", body=b"b", envelope={}).token for t in ids}
+    assert store.renew_many("w", tokens) == {}
+    assert store.renew_many("x", tokens) == {t: Code.LOST for t in ids}
+    for t in ids[:4]:
+        store.expire_now(t)
+    claimed = []
+    assert store.recover(publish=claimed.append, limit=3).recovered == 3
+    assert store.recover(publish=claimed.append).recovered == 1
+    assert sorted(c.task_id for c in claimed) == sorted(ids[:4])
+    assert store.release("w", {t: tokens[t] for t in ids[4:]}) == len(ids) - 4
+    assert store.stats()["indexed"] == len(ids) - 4 and len(store.scan()) == len(ids)
+    assert {r.task_id for r in store.scan()} == set(ids)
 
 
 def test_tokens_of_different_shards_follow_the_masters_clock(client):
