@@ -187,7 +187,10 @@ class LeaseStore:
         try:
             return script(self.client, keys, args)
         except Exception as exc:
-            raise self._script_error(script, exc, what) from exc
+            error = self._script_error(script, exc, what)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _script_error(self, script: Script, exc: Exception, what: str) -> Exception:
         """The LeaseError a Redis error of ``script`` becomes (anything else unchanged)."""
@@ -225,7 +228,10 @@ class LeaseStore:
         try:
             results = send()
         except Exception as exc:
-            raise self._script_error(script, exc, what) from exc
+            error = self._script_error(script, exc, what)
+            if error is exc:
+                raise
+            raise error from exc
         out = []
         for (keys, args), result in zip(calls, results):
             if isinstance(result, NoScriptError):
