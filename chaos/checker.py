@@ -209,8 +209,9 @@ def _check_task(report: Report, leased: bool, task: dict, events: list[dict], me
             # Before receipt no lease exists: this is the broker's at-least-once
             # promise failing (Redis handed the message to a connection that had
             # just died), which leases do not cover. Counted on its own row.
-            report.add("lost_before_receipt", task_id, "never received by any worker, no message left in "
-                                                       "the broker: lost by the broker before any worker could lease it")
+            report.add("lost_before_receipt", task_id,
+                       "never received by any worker, no message left in the broker: "
+                       "lost by the broker before any worker could lease it")
         else:
             report.add("lost", task_id, f"no result, lease record {state or 'missing'}, "
                                         f"no message left in the broker")
