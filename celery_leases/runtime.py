@@ -22,7 +22,8 @@ _workers: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseWorker]]" = weakref.We
 
 
 def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
-    client = connect(config.redis_url, socket_timeout=max(2.0, config.ttl / 3),
+    client = connect(config.redis_url, transport_options=config.redis_transport_options,
+                     socket_timeout=max(2.0, config.ttl / 3),
                      socket_connect_timeout=max(2.0, config.ttl / 3), health_check_interval=30)
     return LeaseStore(client, config.key_prefix, ttl=config.ttl, retention=config.retention,
                       max_recoveries=config.max_recoveries, publish_grace=config.publish_grace,
