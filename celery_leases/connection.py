@@ -34,6 +34,15 @@ SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 SENTINEL_PORT = 26379
 
 
+def url_error(url: str, exc: Exception) -> str:
+    """Why ``url`` does not parse, without echoing a parser message that may quote a piece
+    of a password (an unencoded "/" in a password turns its tail into the "port")."""
+    if redact(url) != str(url).strip():
+        return ("is not a valid URL (check the port and query options, and that special "
+                "characters in the password are %-encoded)")
+    return f"is not a valid URL: {exc}"
+
+
 def sentinel_params(url: str, options: Any,
                     setting: str = "leases_redis_transport_options") -> dict[str, Any]:
     """Check and take apart a Sentinel URL and its transport options; connects to nothing.
@@ -57,7 +66,7 @@ def sentinel_params(url: str, options: Any,
             # redis-py's own parser reads the credentials, db and query options.
             params = redis.connection.parse_url("redis://" + part.split("://", 1)[-1])
         except ValueError as exc:
-            raise ConfigurationError(f"{where}: {exc}") from None
+            raise ConfigurationError(f"{where} {url_error(part, exc)}") from None
         if split.scheme != "sentinel" or not host:
             raise ConfigurationError(
                 f"{where}: every part of a Sentinel URL must be sentinel://host:port "
