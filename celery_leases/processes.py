@@ -509,14 +509,22 @@ class RedisSentinelGroup:
 
     # -- lifecycle ---------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> "RedisSentinelGroup":
+    def start(self, timeout: float = 30.0, wait: bool = True) -> "RedisSentinelGroup":
+        """Start every process; with ``wait``, return once a failover could be elected.
+
+        ``wait=False`` returns as soon as the Sentinels answer (they name the
+        master at once); call ``wait_ready()`` before killing the master.
+        """
         try:
-            master = RedisServer(dir=self.dir / "node-0").start()
+            # Any node may become master: none waits 5 s (the default) for more
+            # replicas before it starts a full sync.
+            sync_now = ("--repl-diskless-sync-delay", "0")
+            master = RedisServer(dir=self.dir / "node-0", extra_args=sync_now).start()
             self.servers.append(master)
             for n in range(1, self.replica_count + 1):
                 self.servers.append(RedisServer(
                     dir=self.dir / f"node-{n}",
-                    extra_args=("--replicaof", "127.0.0.1", str(master.port))).start())
+                    extra_args=(*sync_now, "--replicaof", "127.0.0.1", str(master.port))).start())
             self._wait_replicas(master, timeout)
             config = (f"sentinel monitor {self.master_name} 127.0.0.1 {master.port} {self.quorum}\n"
                       f"sentinel down-after-milliseconds {self.master_name} {self.down_after_ms}\n"
@@ -524,13 +532,19 @@ class RedisSentinelGroup:
                       f"sentinel parallel-syncs {self.master_name} 1\n")
             for n in range(self.sentinel_count):
                 self.sentinels.append(_SentinelServer(config, self.dir / f"sentinel-{n}").start())
-            wait_for(self._sentinels_ready, timeout,
-                     f"{self.sentinel_count} Sentinels to see {self.replica_count} replica(s) "
-                     f"and each other", interval=0.1, error=RedisServerError)
+            if wait:
+                self.wait_ready(timeout)
             return self
         except BaseException:
             self.stop()
             raise
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until every Sentinel knows the replicas and its peers (Sentinels find each
+        other through hello messages every 2 s, so a failover cannot be elected before)."""
+        wait_for(self._sentinels_ready, timeout,
+                 f"{self.sentinel_count} Sentinels to see {self.replica_count} replica(s) "
+                 f"and each other", interval=0.1, error=RedisServerError)
 
     def kill_master(self) -> RedisServer:
         """SIGKILL the current master, as a crash would; returns it (stopped)."""

@@ -32,8 +32,12 @@ ROUNDS = int(os.environ.get("LEASES_SENTINEL_ROUNDS", "1"))
 
 @pytest.fixture
 def group(tmp_path):
-    with RedisSentinelGroup("leases", dir=tmp_path / "sentinel") as started:
-        yield started
+    """A Sentinel group, not yet ready to fail over: the test starts its worker meanwhile."""
+    group = RedisSentinelGroup("leases", dir=tmp_path / "sentinel")
+    try:
+        yield group.start(wait=False)
+    finally:
+        group.cleanup()
 
 
 def replicated(group: RedisSentinelGroup) -> None:
@@ -126,6 +130,7 @@ def test_store_and_worker_follow_a_sentinel_failover(group, celery_env, start_wo
     from tests.apps.leased_app import create_app
     app = create_app({**celery_env, **env})
     worker = start_worker("s", concurrency=1, **env)
+    group.wait_ready()
     # Given a store through the Sentinel URL, as the worker uses it
     claims: list = []
     store = LeaseStore.from_url(group.url, transport_options=group.transport_options,
@@ -175,6 +180,9 @@ def test_store_and_worker_follow_a_sentinel_failover(group, celery_env, start_wo
         assert (record.state, record.token) == ("succeeded", task_token)
         assert [h[0] for h in history() if h[1] == result.id] == ["start", "end"]
         tokens.append(task_token)
+        # (finished, so they do not expire into the next round's recovery pass)
+        store.finish(f"renew-{round_}", "owner-1", held[f"renew-{round_}"], "succeeded")
+        store.finish(f"fresh-{round_}", "owner-2", fresh.token, "succeeded")
 
         if round_ + 1 < ROUNDS:
             # The old master comes back; Sentinel turns it into a replica of the new one
