@@ -87,6 +87,23 @@ def test_a_sentinel_broker_lends_its_transport_options_to_the_lease_store():
         get_config(bare)
 
 
+def test_django_settings_name_the_transport_options_as_written():
+    class Settings:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+        CELERY_LEASES_REDIS_URL = "sentinel://127.0.0.1:1"
+        CELERY_LEASES_REDIS_TRANSPORT_OPTIONS = {"master_name": "django-master"}
+
+    app = Celery("django_proj")
+    app.config_from_object(Settings, namespace="CELERY")
+    assert get_config(app).redis_transport_options == {"master_name": "django-master"}
+
+    del Settings.CELERY_LEASES_REDIS_TRANSPORT_OPTIONS
+    app = Celery("django_proj")
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match="CELERY_LEASES_REDIS_TRANSPORT_OPTIONS has no master_name"):
+        get_config(app)
+
+
 @pytest.mark.parametrize("url, options, named", [
     ("sentinel://127.0.0.1:1;redis://127.0.0.1:2", {"master_name": "m"}, "part 2"),
     ("sentinel://:a@127.0.0.1:1;sentinel://:b@127.0.0.1:2", {"master_name": "m"}, "only the first"),
