@@ -28,8 +28,6 @@ def _single(url: str, options: Mapping[str, Any], kwargs: dict) -> Any:
     return redis.Redis.from_url(url, **kwargs)
 
 
-#: Transport options a Sentinel URL reads, by kombu's names (``broker_transport_options``).
-SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 #: Sentinel's port when a ``sentinel://`` part names none.
 SENTINEL_PORT = 26379
 
