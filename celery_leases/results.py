@@ -57,7 +57,10 @@ def shares_server(backend: Any, store: Any) -> bool:
         return cached[2]
     pool = getattr(store.client, "connection_pool", None)
     store_kwargs = getattr(pool, "connection_kwargs", None)
-    same = bool(store_kwargs) and _target(dict(backend.connparams)) == _target(dict(store_kwargs or {}))
+    # A client without a fixed address (Sentinel: the master moves) is never "the same
+    # server": _target would read its missing host as localhost:6379.
+    fixed = bool(store_kwargs) and ("host" in store_kwargs or "path" in store_kwargs)
+    same = fixed and _target(dict(backend.connparams)) == _target(dict(store_kwargs or {}))
     _same_server[id(backend)] = (os.getpid(), id(store), same)
     return same
 
