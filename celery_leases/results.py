@@ -59,8 +59,9 @@ def shares_server(backend: Any, store: Any) -> bool:
     store_kwargs = getattr(pool, "connection_kwargs", None)
     # A client without a fixed address (Sentinel: the master moves) is never "the same
     # server": _target would read its missing host as localhost:6379.
-    fixed = bool(store_kwargs) and ("host" in store_kwargs or "path" in store_kwargs)
-    same = fixed and _target(dict(backend.connparams)) == _target(dict(store_kwargs or {}))
+    target = dict(store_kwargs or {})
+    fixed = "host" in target or "path" in target
+    same = fixed and _target(dict(backend.connparams)) == _target(target)
     _same_server[id(backend)] = (os.getpid(), id(store), same)
     return same
 
