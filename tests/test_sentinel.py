@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 from celery import Celery
@@ -21,7 +22,7 @@ from celery_leases.codes import Code
 from celery_leases.config import get_config
 from celery_leases.connection import connect, describe, redact
 from celery_leases.processes import RedisSentinelGroup, free_port
-from tests.workers import wait_for
+from tests.workers import CELERY, ROOT, wait_for
 
 TASKS = "tests.apps.leased_app"
 ENVELOPE = {"exchange": "", "routing_key": "unused", "headers": {}, "properties": {},
@@ -184,6 +185,10 @@ def test_store_and_worker_follow_a_sentinel_failover(group, celery_env, start_wo
         old = group.kill_master()
         promoted = group.wait_for_failover(old.port)
         assert promoted.port != old.port
+        # (the CLI runs meanwhile, through the same settings: it reads the promoted master)
+        stats = subprocess.Popen([CELERY, "-A", TASKS, "leases", "stats", "--json"], cwd=str(ROOT),
+                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT), **celery_env, **env})
 
         # Then the same store client renews, finishes and recovers on the new master
         assert store.renew_many("owner-1", {t: held[t] for t in (f"renew-{round_}", f"finish-{round_}")}) == {}
@@ -203,6 +208,9 @@ def test_store_and_worker_follow_a_sentinel_failover(group, celery_env, start_wo
                  what="the worker to renew its lease on the promoted master")
         # ... and the task finishes once, under the token it started with
         assert result.get(timeout=30) == f"v{round_}"
+        out, err = stats.communicate(timeout=60)
+        assert stats.returncode == 0, (out, err)
+        assert json.loads(out)["store"].startswith("Sentinel master leases/0 (via 127.0.0.1:")
         record = store_for(app).get(result.id)
         assert (record.state, record.token) == ("succeeded", task_token)
         assert [h[0] for h in history() if h[1] == result.id] == ["start", "end"]
@@ -219,6 +227,8 @@ def test_store_and_worker_follow_a_sentinel_failover(group, celery_env, start_wo
                      what="the old master to rejoin as a replica")
 
     assert "Traceback" not in worker.log(), worker.log()[-3000:]
+    # the start-up checks ran through the Sentinel client too, naming the store without a password
+    assert "lease store Sentinel master leases/0 (via 127.0.0.1:" in worker.log()
     app.close()
 
 
