@@ -22,7 +22,7 @@ from celery_leases.codes import Code
 from celery_leases.config import get_config
 from celery_leases.connection import connect, describe, redact
 from celery_leases.processes import RedisSentinelGroup, free_port
-from tests.workers import CELERY, ROOT, wait_for
+from tests.workers import CELERY, ROOT, Worker, wait_for
 
 TASKS = "tests.apps.leased_app"
 ENVELOPE = {"exchange": "", "routing_key": "unused", "headers": {}, "properties": {},
@@ -118,6 +118,15 @@ def test_bad_sentinel_settings_are_refused_at_install(url, options, named):
     with pytest.raises(ConfigurationError, match=named) as err:
         celery_leases.install(app)
     assert ":a@" not in str(err.value) and ":b@" not in str(err.value)
+
+
+def test_a_worker_with_a_sentinel_url_but_no_master_name_does_not_start(celery_env, redis_server_url, tmp_path):
+    worker = Worker("no-master", {**celery_env, "LEASES_TEST_LEASES_URL": "sentinel://:s3cret@127.0.0.1:1",
+                                  "LEASES_TEST_HISTORY_URL": redis_server_url}, log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="leases_redis_transport_options has no master_name") as err:
+        worker.start(timeout=30)
+    worker.kill()
+    assert "s3cret" not in str(err.value)
 
 
 def test_the_sentinel_client_carries_the_data_node_password_and_sentinel_kwargs():
