@@ -68,3 +68,13 @@ chaos: venv
 .PHONY: cluster
 cluster: venv
 	$(VENV)/bin/pytest -v -p no:cacheprovider --durations=0 tests/test_cluster.py
+
+# -- Sentinel ------------------------------------------------------------------
+# The long form of tests/test_sentinel.py's failover test (make test runs one
+# round): SENTINEL_ROUNDS failovers in a row, the old master rejoining as a
+# replica each time, the store and a real worker following every promotion.
+SENTINEL_ROUNDS ?= 5
+
+.PHONY: sentinel
+sentinel: venv
+	LEASES_SENTINEL_ROUNDS=$(SENTINEL_ROUNDS) $(VENV)/bin/pytest -q -ra tests/test_sentinel.py tests/test_redis_tls_acl.py

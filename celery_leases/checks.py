@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError, ResponseError
 
 from .config import LeaseConfig
+from .connection import scheme
 from .store import LeaseStore
 
 logger = logging.getLogger("celery_leases.checks")
@@ -162,7 +162,7 @@ def _visibility_timeout(app: Any) -> float | None:
     url = app.conf.broker_url or ""
     if isinstance(url, (list, tuple)):  # failover URLs
         url = url[0] if url else ""
-    if urlsplit(str(url).split(";")[0]).scheme not in _REDIS_BROKER_SCHEMES:
+    if scheme(str(url)) not in _REDIS_BROKER_SCHEMES:
         return None
     options = app.conf.broker_transport_options or {}
     return float(options.get("visibility_timeout") or _DEFAULT_VISIBILITY_TIMEOUT)

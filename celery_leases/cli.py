@@ -16,7 +16,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import click
 import redis
@@ -46,8 +46,12 @@ class NotFound(LeaseError):
 
 
 def _secrets(app: Any) -> list[str]:
-    """Passwords in the app's URLs: scrubbed from everything the CLI prints."""
-    found = []
+    """Passwords in the app's URLs and transport options: scrubbed from everything the CLI prints.
+
+    A second line of defence: messages are built with ``connection.redact`` and
+    ``describe`` already, but an error text from redis-py or kombu is not ours.
+    """
+    found: list[str] = []
     for name in ("broker_url", "result_backend", "leases_redis_url"):
         urls = app.conf.get(name)
         for url in urls if isinstance(urls, (list, tuple)) else [urls]:
@@ -58,8 +62,16 @@ def _secrets(app: Any) -> list[str]:
                     except ValueError:
                         password = None
                     if password:
-                        found.append(password)
-    return found
+                        found += [password, unquote(password)]
+    for name in ("leases_redis_transport_options", "broker_transport_options",
+                 "result_backend_transport_options"):
+        options = app.conf.get(name)
+        if isinstance(options, dict):
+            for holder in (options, options.get("sentinel_kwargs")):
+                if isinstance(holder, dict) and isinstance(holder.get("password"), str):
+                    found.append(holder["password"])
+    # Longest first, so a password containing another is replaced whole.
+    return sorted({s for s in found if s}, key=len, reverse=True)
 
 
 def _scrub(text: str, secrets: Iterable[str]) -> str:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 import weakref
+import dataclasses
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 from . import defaults
 from .connection import SCHEMES as _SCHEMES
 from .connection import redact as _redact
 from .connection import scheme as _scheme
+from .connection import sentinel_params as _sentinel_params
 from .exceptions import ConfigurationError
 
 
@@ -31,7 +33,8 @@ TASK_OPTIONS = {
 
 @dataclass(frozen=True)
 class LeaseConfig:
-    redis_url: str
+    # Not in repr: URLs and options can hold passwords (connection.redact is the way out).
+    redis_url: str = dataclasses.field(repr=False)
     key_prefix: str = defaults.KEY_PREFIX
     ttl: float = defaults.TTL
     heartbeat_interval: float = defaults.TTL / 3
@@ -47,6 +50,10 @@ class LeaseConfig:
     unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
     worker_recovery: bool = defaults.WORKER_RECOVERY
     beat_schedule: bool = defaults.BEAT_SCHEDULE
+    #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).
+    redis_transport_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    #: The setting redis_transport_options came from, for error messages.
+    transport_options_setting: str = dataclasses.field(default="leases_redis_transport_options", repr=False)
 
     def validate(self, where: str = "leases_") -> "LeaseConfig":
         """Raise ConfigurationError naming the first invalid setting."""
@@ -80,6 +87,19 @@ class LeaseConfig:
             raise ConfigurationError(
                 f"leases_redis_url must be a Redis URL ({', '.join(s + '://' for s in _SCHEMES)}), "
                 f"got {_redact(self.redis_url)!r}")
+        options, source = self.redis_transport_options, self.transport_options_setting
+        if not isinstance(options, Mapping):
+            raise ConfigurationError(f"{source} must be a dict, got {type(options).__name__}")
+        if scheme == "sentinel":
+            try:
+                _sentinel_params(self.redis_url, options, source)
+            except ConfigurationError as exc:
+                if source == "leases_redis_transport_options":
+                    raise
+                raise ConfigurationError(
+                    f"{exc} ({source} applies because leases_redis_url is the "
+                    f"{source.replace('_transport_options', '')} URL; set "
+                    f"leases_redis_transport_options to give the lease store its own)") from None
         return self
 
     def for_task(self, task: Any) -> "LeaseConfig":
@@ -134,8 +154,12 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
 
     ttl = _number(setting("ttl", defaults.TTL), "leases_ttl")
     interval = setting("heartbeat_interval", None)
+    redis_url = setting("redis_url", None) or _fallback_url(conf)
+    options, source = _transport_options(conf, redis_url, setting("redis_transport_options", None))
     config = LeaseConfig(
-        redis_url=setting("redis_url", None) or _fallback_url(conf),
+        redis_url=redis_url,
+        redis_transport_options=options,
+        transport_options_setting=source,
         key_prefix=setting("key_prefix", defaults.KEY_PREFIX),
         ttl=ttl,
         heartbeat_interval=(_number(interval, "leases_heartbeat_interval")
@@ -179,6 +203,11 @@ def validate_pending(app: Any) -> None:
             _fallback_url(pending)
         except ConfigurationError:
             pending["leases_redis_url"] = "redis://unset"
+    url = pending.get("leases_redis_url") or _fallback_url(pending)
+    if _scheme(url) == "sentinel" and _transport_options(
+            pending, url, pending.get("leases_redis_transport_options"))[0] == {}:
+        # The master name may come with a later config_from_object; the worker checks it.
+        pending["leases_redis_transport_options"] = {"master_name": "unset"}
     build_config(_AppLike(pending))
 
 
@@ -196,6 +225,26 @@ def _fallback_url(conf: Any) -> str:
     raise ConfigurationError(
         "leases_redis_url is not set and neither broker_url nor result_backend is a Redis URL; "
         "set leases_redis_url (CELERY_LEASES_REDIS_URL under Django)")
+
+
+#: Celery settings whose transport options go with the URL of the same prefix.
+_TRANSPORT_OPTIONS = {"broker_url": "broker_transport_options",
+                      "result_backend": "result_backend_transport_options"}
+
+
+def _transport_options(conf: Any, url: str, explicit: Any) -> tuple[Any, str]:
+    """The transport options of the lease store's URL, and the setting they came from.
+
+    ``leases_redis_transport_options`` when set; otherwise, when the lease store
+    uses the broker's (or result backend's) URL, that URL's own transport
+    options, so a Sentinel broker's ``master_name`` serves the leases too.
+    """
+    if explicit is not None:
+        return explicit, "leases_redis_transport_options"
+    for url_setting, options_setting in _TRANSPORT_OPTIONS.items():
+        if conf.get(url_setting) == url:
+            return conf.get(options_setting) or {}, options_setting
+    return {}, "leases_redis_transport_options"
 
 
 def _number(value: Any, name: str) -> float:

@@ -57,7 +57,11 @@ def shares_server(backend: Any, store: Any) -> bool:
         return cached[2]
     pool = getattr(store.client, "connection_pool", None)
     store_kwargs = getattr(pool, "connection_kwargs", None)
-    same = bool(store_kwargs) and _target(dict(backend.connparams)) == _target(dict(store_kwargs or {}))
+    # A client without a fixed address (Sentinel: the master moves) is never "the same
+    # server": _target would read its missing host as localhost:6379.
+    target = dict(store_kwargs or {})
+    fixed = "host" in target or "path" in target
+    same = fixed and _target(dict(backend.connparams)) == _target(target)
     _same_server[id(backend)] = (os.getpid(), id(store), same)
     return same
 

@@ -11,7 +11,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .config import LeaseConfig, get_config
-from .connection import connect
+from .connection import connect, redact, url_error
+from .exceptions import ConfigurationError
 from .store import LeaseStore
 
 if TYPE_CHECKING:
@@ -22,8 +23,15 @@ _workers: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseWorker]]" = weakref.We
 
 
 def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
-    client = connect(config.redis_url, socket_timeout=max(2.0, config.ttl / 3),
-                     socket_connect_timeout=max(2.0, config.ttl / 3), health_check_interval=30)
+    try:
+        client = connect(config.redis_url, transport_options=config.redis_transport_options,
+                         socket_timeout=max(2.0, config.ttl / 3),
+                         socket_connect_timeout=max(2.0, config.ttl / 3), health_check_interval=30)
+    except ConfigurationError:
+        raise
+    except ValueError as exc:  # redis-py's URL parser: a bad port, a bad query option
+        raise ConfigurationError(
+            f"leases_redis_url {redact(config.redis_url)} {url_error(config.redis_url, exc)}") from None
     return LeaseStore(client, config.key_prefix, ttl=config.ttl, retention=config.retention,
                       max_recoveries=config.max_recoveries, publish_grace=config.publish_grace,
                       recover_batch=config.recover_batch, shards=config.shards, **kwargs)

@@ -177,8 +177,11 @@ class LeaseStore:
         self.description = description or describe(client)
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> "LeaseStore":
-        return cls(connect(url), **kwargs)
+    def from_url(cls, url: str, *, transport_options: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> "LeaseStore":
+        """A store on ``url`` (any form ``leases_redis_url`` takes; ``transport_options``
+        as ``leases_redis_transport_options``, e.g. Sentinel's ``master_name``)."""
+        return cls(connect(url, transport_options=transport_options), **kwargs)
 
     # -- calls ---------------------------------------------------------------
 

@@ -5,11 +5,14 @@ with ``create_app(env)`` using the same keys, so each test has its own key
 prefix and queue:
 
 LEASES_TEST_BROKER / LEASES_TEST_BACKEND / LEASES_TEST_LEASES_URL: URLs;
+LEASES_TEST_LEASES_TRANSPORT: leases_redis_transport_options as JSON (Sentinel);
+LEASES_TEST_HISTORY_URL: where tasks record their history (default: the lease store's URL);
 LEASES_TEST_PREFIX: key prefix (also the queue name);
 LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, LEASES_TEST_SHARDS, ...: see create_app.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -31,6 +34,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     app.conf.update(
         task_default_queue=prefix,
         leases_redis_url=get("LEASES_TEST_LEASES_URL", broker),
+        leases_redis_transport_options=json.loads(get("LEASES_TEST_LEASES_TRANSPORT", "null")),
         leases_key_prefix=prefix,
         leases_ttl=float(get("LEASES_TEST_TTL", "2")),
         leases_recovery_interval=float(get("LEASES_TEST_RECOVERY_INTERVAL", "1")),
@@ -49,7 +53,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         worker_hijack_root_logger=False,
     )
     celery_leases.install(app)
-    sink = connect(app.conf.leases_redis_url)  # a Redis Cluster too (tests/test_cluster.py)
+    # A Redis Cluster too (tests/test_cluster.py); a Sentinel store records through LEASES_TEST_HISTORY_URL.
+    sink = connect(get("LEASES_TEST_HISTORY_URL") or app.conf.leases_redis_url)
 
     def record(event: str, task_id: str, **fields: object) -> None:
         """Append an execution event to the test's history list."""
