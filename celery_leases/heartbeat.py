@@ -38,12 +38,15 @@ class Held:
 
 class Heartbeat:
     def __init__(self, store: LeaseStore, owner: str, interval: float,
-                 on_lost: Callable[[str, Held, Code], None], sender: Any = None) -> None:
+                 on_lost: Callable[[str, Held, Code], None], sender: Any = None,
+                 on_missing: Callable[[str, Held], bool] | None = None) -> None:
         self.store, self.owner = store, owner
         #: Sender of the ``leases_renewed`` signal (the worker's app).
         self.sender = sender
         self.default_interval = interval
         self.on_lost = on_lost
+        #: Asked first when a held lease's record is missing; True if it put the record back.
+        self.on_missing = on_missing
         self.held: dict[str, Held] = {}
         self.lock = threading.Lock()
         self.ticks = self.failures = self.consecutive_failures = 0
@@ -139,6 +142,11 @@ class Heartbeat:
             if code is Code.FINISHED:
                 self.forget(task_id)
                 continue
+            if code is Code.MISSING and self.on_missing is not None:
+                with self.lock:
+                    held = self.held.get(task_id)
+                if held is not None and held.token == snapshot[task_id] and self.on_missing(task_id, held):
+                    continue
             with self.lock:
                 held = self.held.get(task_id)
                 if held is None or held.token != snapshot[task_id]:

@@ -321,8 +321,13 @@ class LeaseStore:
     def acquire(self, task_id: str, owner: str, *, ttl: float | None = None,
                 generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                 progress_timeout: float = 0, name: str = "", body: bytes = b"",
-                envelope: Mapping | None = None) -> Acquisition:
-        """Try to become the owner of ``task_id``'s lease for one delivery of its message."""
+                envelope: Mapping | None = None, reassert: int = 0) -> Acquisition:
+        """Try to become the owner of ``task_id``'s lease for one delivery of its message.
+
+        ``reassert``: the token of a lease the caller holds but whose record has
+        vanished (a failover lost the write that created it): the record is
+        re-created with that token, or LOST comes back if another record exists.
+        """
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
         code, token, gen, recoveries, state = self._run(
             scripts.acquire,
@@ -331,7 +336,7 @@ class LeaseStore:
              self.max_recoveries if max_recoveries is None else int(max_recoveries),
              _ms(progress_timeout), name, body,
              json.dumps(envelope, separators=(",", ":")) if envelope is not None else "",
-             _ms(self.retention), self._clock_tokens),
+             _ms(self.retention), self._clock_tokens, int(reassert)),
             f"task {task_id}, key {key}")
         return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
 

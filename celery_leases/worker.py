@@ -61,7 +61,7 @@ class LeaseWorker:
         self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.store = get_store(app)
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
-                                   sender=app)
+                                   sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
         self._stop = threading.Event()
         self._recovery_thread: threading.Thread | None = None
@@ -247,6 +247,36 @@ class LeaseWorker:
         except LeaseError as exc:
             logger.info("task %s: revoke not applied to its lease: %s", task_id, exc)
             return record is None or record.state != "active"
+
+    def _on_missing(self, task_id: str, held: Held) -> bool:
+        """A held lease's record is gone: put it back under the same token if nobody else has one.
+
+        Redis replicates asynchronously, so a failover can lose the write that
+        created a lease. Without this the running task would be told it lost
+        its lease, its outcome refused, and (with early acks) nothing left to
+        re-run it. The store re-creates the record, with the message, only if
+        no record exists (docs/redis-deployments.md).
+        """
+        request = held.request
+        if request is None:
+            return False
+        config = self.task_config(request.task)
+        message, request_dict = request.message, request.request_dict
+        try:
+            acq = self.store.acquire(
+                task_id, self.owner, ttl=held.ttl,
+                generation=int(request_dict.get("lease_generation") or 0),
+                attempt=int(request_dict.get("retries") or 0), max_recoveries=config.max_recoveries,
+                progress_timeout=config.progress_timeout or 0, name=request.task.name,
+                body=message.body, envelope=envelope_of(message), reassert=held.token)
+        except LeaseError as exc:
+            logger.error("task %s: lease record missing and could not be re-created: %s", task_id, exc)
+            return False
+        if acq.owned and acq.token == held.token:
+            logger.warning("task %s: lease record was missing (a Redis failover lost the write that "
+                           "created it?); re-created under token %s", task_id, held.token)
+            return True
+        return False
 
     def _on_lost(self, task_id: str, held: Held, code: Code) -> None:
         reason = {Code.STALLED: "no progress within the progress timeout",

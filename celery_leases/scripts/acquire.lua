@@ -25,6 +25,10 @@
     ARGV[10] message envelope, JSON ('' keeps the stored one)
     ARGV[11] retention in ms of a record that turns dead here
     ARGV[12] 1 to draw the token no lower than the server clock in µs (sharded stores), 0 not to
+    ARGV[13] optional: re-assert this token for the caller instead of drawing one. Only for
+             an owner whose renewal found no record (a failover lost the write that
+             created it): the record is re-created as it was, and refused (LOST) if
+             any record exists that the caller does not hold
 
   Output: {code, token, generation, recoveries, state}
     ACQUIRED    the caller owns the lease with the new token
@@ -33,6 +37,7 @@
     FINISHED    the record is terminal (state says which)
     STALE       the message is an older copy than the record
     DEAD        taking over would pass max recoveries: the record is now dead
+    LOST        (re-assert only) a record exists and the caller does not hold it
 ]]
 local key, deadlines, seq, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner = ARGV[1], ARGV[2]
@@ -50,7 +55,17 @@ local recoveries = num(rec, key, 'recoveries')
 local attempt = num(rec, key, 'attempt')
 
 local code = 1 -- ACQUIRED
-if state then
+local reassert = tonumber(ARGV[13] or '')
+if reassert and reassert > 0 then
+  if state then
+    local held = redis.call('HGET', key, 'holder')
+    if state == 'active' and held == string.format('%d', reassert) .. '@' .. owner then
+      return {1, token, generation, recoveries, state}
+    end
+    return {7, token, generation, recoveries, state}
+  end
+  redis.call('HINCRBY', stats, 'reasserted', 1)
+elseif state then
   if state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
     return {4, token, generation, recoveries, state}
   elseif state ~= 'active' and state ~= 'recovering' then
@@ -84,16 +99,24 @@ if state then
   end
 end
 
-local new_token = redis.call('INCR', seq)
-local floor = token + 1
-if ARGV[12] == '1' then
-  -- Each shard has its own sequence: tokens of different shards are ordered by
-  -- the masters' clocks instead (now in µs stays exact below 2^53 in Lua).
-  floor = math.max(floor, now * 1000)
-end
-if new_token < floor then
-  new_token = floor
-  redis.call('SET', seq, string.format('%d', new_token))
+local new_token
+if reassert and reassert > 0 then
+  -- The sequence may have lost increments along with the record: keep it at or above this token.
+  new_token = reassert
+  local current = tonumber(redis.call('GET', seq) or '0') or 0
+  if current < reassert then redis.call('SET', seq, string.format('%d', reassert)) end
+else
+  new_token = redis.call('INCR', seq)
+  local floor = token + 1
+  if ARGV[12] == '1' then
+    -- Each shard has its own sequence: tokens of different shards are ordered by
+    -- the masters' clocks instead (now in µs stays exact below 2^53 in Lua).
+    floor = math.max(floor, now * 1000)
+  end
+  if new_token < floor then
+    new_token = floor
+    redis.call('SET', seq, string.format('%d', new_token))
+  end
 end
 if msg_gen > generation then generation = msg_gen end
 
