@@ -16,7 +16,7 @@ git ignores). Exit status 1 when a target is missed.
 
 What is measured, from one client process, sequentially:
 
-- **Set-up.** N active leases (100,000; ``--quick``: 2,000) held by W
+- **Set-up.** N active leases (100,000; ``--quick``: 1,000) held by W
   simulated workers (owners; 50, ``--quick``: 10), N / W each, every one
   made by ``LeaseStore.acquire`` with the message a worker stores: the body
   and envelope of a real Celery message (sent through kombu's in-memory
@@ -89,7 +89,7 @@ from bench._common import (  # noqa: E402
 #: Sizes of a full run and of a ``--quick`` smoke run.
 FULL = {"leases": 100_000, "owners": 50, "ticks": 5, "dead_owners": 5, "rounds": 3,
         "memory_sample": 2_000}
-QUICK = {"leases": 2_000, "owners": 10, "ticks": 2, "dead_owners": 1, "rounds": 1,
+QUICK = {"leases": 1_000, "owners": 10, "ticks": 2, "dead_owners": 1, "rounds": 1,
          "memory_sample": 2_000}
 
 #: Targets from the issue.

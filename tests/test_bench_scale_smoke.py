@@ -17,7 +17,7 @@ def test_scale_benchmark_quick_run_prints_its_table_and_sane_numbers(tmp_path: P
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     results = tmp_path / "results-scale.json"
 
-    # when it runs in quick mode (2,000 leases of 10 simulated workers),
+    # when it runs in quick mode (1,000 leases of 10 simulated workers),
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--json", str(results)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
@@ -36,9 +36,9 @@ def test_scale_benchmark_quick_run_prints_its_table_and_sane_numbers(tmp_path: P
     assert data["meta"]["quick"] is True and data["meta"]["throwaway_server"] is True
 
     # And the measurements are sane: every lease was made, renewed and (10% of them) recovered
-    assert data["setup"]["leases"] == 2_000 and data["setup"]["owners"] == 10
+    assert data["setup"]["leases"] == 1_000 and data["setup"]["owners"] == 10
     hb = data["heartbeat"]
-    assert hb["calls"] == 2 * 10 and hb["leases_per_call"] == 200
+    assert hb["calls"] == 2 * 10 and hb["leases_per_call"] == 100
     assert 0 < hb["script_per_call_ms"] <= hb["call_max_ms"]
     assert hb["redis_cpu_per_call_ms"] > 0 and hb["ticks_per_s"] > 0
     # a record and the deadline index hold a few hundred bytes per lease, not nothing, not KiBs;
@@ -52,7 +52,7 @@ def test_scale_benchmark_quick_run_prints_its_table_and_sane_numbers(tmp_path: P
     assert abs(mem["used_memory_per_lease_b"] - mem["per_lease_with_message_b"]) \
         < 0.25 * mem["per_lease_with_message_b"]
     rec = data["recovery"]
-    assert rec["n"] == 200 and len(rec["runs"]) == 1
+    assert rec["n"] == 100 and len(rec["runs"]) == 1
     run = rec["runs"][0]
-    assert run["live_left"] == 1_800 and 0 < run["publish_s"] < run["seconds"]
+    assert run["live_left"] == 900 and 0 < run["publish_s"] < run["seconds"]
     assert data["targets"]["recovery of 10,000 < 2 s"]["result"] == "SKIP"
