@@ -27,7 +27,9 @@ What is measured, from one client process, sequentially:
   all its leases with one ``LeaseStore.renew_many`` call, as the heartbeat
   does. Per call: wall time in this client, Redis time inside the script
   (``INFO commandstats``, EVALSHA) and Redis process CPU (``INFO cpu``, user
-  + system, so also the reading and parsing of the call's arguments). A tick
+  + system, so also the reading and parsing of the call's arguments); beside
+  it, the least a renewal must do: one plain ``ZADD`` of the same members
+  into a copy of the deadline index, in one round trip. A tick
   is the W calls in turn: achievable ticks per second from one client is one
   over the median tick, and Redis CPU per tick bounds what one Redis core
   serves. The derived target: at the default settings (ttl 30 s, heartbeat
@@ -278,11 +280,13 @@ def bench_heartbeat(client: Any, store: LeaseStore, held: dict[str, dict[str, in
     if calls1 - calls0 < n_calls:
         raise RuntimeError(f"{n_calls} renew_many calls made, the server counted {calls1 - calls0} scripts")
     per_owner = len(next(iter(held.values())))
+    zadd_ms = zadd_baseline(client, store, held)
     median_tick = statistics.median(tick_s)
     redis_cpu_per_tick = cpu / ticks
     return {
         "ticks": ticks, "calls": n_calls, "leases_per_call": per_owner, "owners": len(held),
         "call_median_ms": statistics.median(call_ms), "call_max_ms": max(call_ms),
+        "zadd_median_ms": statistics.median(zadd_ms), "zadd_max_ms": max(zadd_ms),
         "client_cpu_per_call_ms": statistics.median(client_cpu_ms),
         "script_per_call_ms": (usec1 - usec0) / n_calls / 1000,
         "scripts_per_call": (calls1 - calls0) / n_calls,
@@ -295,6 +299,32 @@ def bench_heartbeat(client: Any, store: LeaseStore, held: dict[str, dict[str, in
         "default_interval_s": DEFAULT_HEARTBEAT_S,
         "redis_share_at_default_interval": redis_cpu_per_tick / DEFAULT_HEARTBEAT_S,
     }
+
+
+def zadd_baseline(client: Any, store: LeaseStore, held: dict[str, dict[str, int]]) -> list[float]:
+    """Wall ms of one plain ZADD per owner of its leases' new deadlines, into a copy of the index.
+
+    The least any renewal must do, in the same run. The copy (ZUNIONSTORE, same
+    hash tag, so same slot) has the index's size, so each ZADD updates members
+    of a sorted set as large as the real one; with a sharded store it is a
+    copy of the largest shard's index, and one ZADD covers all of an owner's
+    leases in one slot.
+    """
+    zsets = prefix_keys(client, store.keys.prefix, "zset")
+    source = max(zsets, key=lambda k: int(client.zcard(k)))
+    copy = source + "-baseline"
+    client.zunionstore(copy, [source])
+    try:
+        out = []
+        for leases in held.values():
+            deadline = store.server_time_ms() + int(TTL_S * 1000)
+            mapping = dict.fromkeys(leases, deadline)
+            t0 = time.perf_counter()
+            client.zadd(copy, mapping)
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+    finally:
+        client.delete(copy)
 
 
 def raw_publish(client: Any, queue: str) -> Callable[[Claim], None]:
@@ -446,6 +476,9 @@ def table(results: dict, targets: dict[str, dict]) -> str:
          f"{setup['body_bytes']} B body + {setup['envelope_bytes']} B envelope", "", ""),
         (f"renew_many of {hb['leases_per_call']:,} leases (median / max)",
          f"{hb['call_median_ms']:.1f} / {hb['call_max_ms']:.1f} ms",
+         f"ZADD of {hb['leases_per_call']:,}: {hb['zadd_median_ms']:.1f} / {hb['zadd_max_ms']:.1f} ms "
+         f"(ratio {hb['call_median_ms'] / hb['zadd_median_ms']:.1f}x)", "", ""),
+        ("  in Redis, and in this client, per call", "",
          f"in {hb['scripts_per_call']:g} script(s) {hb['script_per_call_ms']:.1f} ms; "
          f"Redis CPU {hb['redis_cpu_per_call_ms']:.1f} ms; "
          f"client CPU {hb['client_cpu_per_call_ms']:.1f} ms", "", ""),

@@ -41,6 +41,7 @@ def test_scale_benchmark_quick_run_prints_its_table_and_sane_numbers(tmp_path: P
     assert hb["calls"] == 2 * 10 and hb["leases_per_call"] == 100
     assert 0 < hb["script_per_call_ms"] <= hb["call_max_ms"]
     assert hb["redis_cpu_per_call_ms"] > 0 and hb["ticks_per_s"] > 0
+    assert hb["zadd_median_ms"] > 0  # the plain-Redis baseline of the same run
     # a record and the deadline index hold a few hundred bytes per lease, not nothing, not KiBs;
     # the stored message is the real Celery message (body + envelope) and costs more than its bytes
     mem = data["memory"]
