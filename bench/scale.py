@@ -20,8 +20,8 @@ What is measured, from one client process, sequentially:
   simulated workers (owners; 50, ``--quick``: 10), N / W each, every one
   made by ``LeaseStore.acquire`` with the message a worker stores: the body
   and envelope of a real Celery message (sent through kombu's in-memory
-  transport and read back as a worker receives it, about 600 B of body and
-  900 B of envelope), each with its own task id. The store's ttl is 600 s, so
+  transport and read back as a worker receives it, about 550 B of body and
+  1,150 B of envelope), each with its own task id. The store's ttl is 600 s, so
   nothing expires while the run lasts.
 - **Heartbeat.** T ticks (5; ``--quick``: 2); in a tick every worker renews
   all its leases with one ``LeaseStore.renew_many`` call, as the heartbeat
