@@ -65,6 +65,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import sys
@@ -167,9 +168,15 @@ def script_usec(client: Any) -> tuple[int, int]:
 
 
 def prefix_keys(client: Any, prefix: str, type_: str | None = None) -> list[str]:
-    """Keys of a store prefix, whatever its sharding (tags ``{prefix}`` and ``{prefix:N}``)."""
-    return sorted({k.decode() if isinstance(k, bytes) else k
-                   for k in client.scan_iter(match="{" + prefix + "*", count=1000, _type=type_)})
+    """Keys of a store prefix, whatever its sharding (tags ``{prefix}`` and ``{prefix:N}``).
+
+    Not the keys of other prefixes that merely begin the same way (the
+    warm-up's ``{prefix-warm}``, the publish list's ``{prefix-published}``).
+    """
+    own = re.compile(r"\{" + re.escape(prefix) + r"(:\d+)?\}")
+    keys = {k.decode() if isinstance(k, bytes) else k
+            for k in client.scan_iter(match="{" + prefix + "*", count=1000, _type=type_)}
+    return sorted(k for k in keys if own.match(k))
 
 
 def wait_server_past(store: LeaseStore, deadline_ms: int, timeout: float = 10.0) -> None:
