@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", action="store_true",
                         help="run on a throwaway local Redis Cluster of three masters")
     parser.add_argument("--shards", type=int, default=None,
-                        help="store shards (default: 1; 16 with --cluster)")
+                        help="store shards (default: 1; 12 with --cluster, 4 x the masters as docs/cluster.md advises)")
     parser.add_argument("--json", default=None,
                         help="where to write the raw results (default: bench/results-scale.json, "
                              "bench/results-scale-cluster.json with --cluster)")
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     if sizes["owners"] < sizes["dead_owners"] * sizes["rounds"] + 1 or sizes["leases"] < sizes["owners"]:
         parser.error(f"--owners {sizes['owners']} and --leases {sizes['leases']}: need at least "
                      f"{sizes['dead_owners'] * sizes['rounds'] + 1} owners and one lease per owner")
-    shards = args.shards if args.shards is not None else (16 if args.cluster else 1)
+    shards = args.shards if args.shards is not None else (12 if args.cluster else 1)
     if shards < 1:
         parser.error(f"--shards must be at least 1, got {shards}")
     json_path = args.json or str(ROOT / "bench" / ("results-scale-cluster.json" if args.cluster
