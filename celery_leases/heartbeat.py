@@ -53,6 +53,8 @@ class Heartbeat:
         self.last_renewed_at: float | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        #: How long the thread's current wait lasts (the interval it computed before sleeping).
+        self._sleeping_for = interval
         self._thread: threading.Thread | None = None
 
     # -- registry ---------------------------------------------------------
@@ -60,7 +62,9 @@ class Heartbeat:
     def add(self, task_id: str, held: Held) -> None:
         with self.lock:
             self.held[task_id] = held
-        if held.interval < self.interval:
+        # Wake the thread only if it sleeps longer than this lease allows (a
+        # check in O(1): add runs for every task the worker receives).
+        if held.interval < self._sleeping_for:
             self._wake.set()
 
     def forget(self, task_id: str, token: int | None = None) -> Held | None:
@@ -100,7 +104,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            self._sleeping_for = self.interval
+            self._wake.wait(self._sleeping_for)
             self._wake.clear()
             if self._stop.is_set():
                 break
