@@ -89,3 +89,24 @@ SCALE_ARGS ?=
 .PHONY: scale
 scale: venv
 	$(VENV)/bin/python bench/scale.py $(SCALE_ARGS)
+
+# -- compatibility matrix ------------------------------------------------------
+# tests/test_matrix.py in one tox env per Celery minor (5.3 to 5.7), each for
+# every pool (prefork, threads, solo, gevent, eventlet) x broker (Redis,
+# RabbitMQ at $LEASES_TEST_AMQP_URL), plus the lint, type and docs envs; then
+# the table in docs/compatibility.md is rewritten from the results. Narrow it
+# with MATRIX_ENVS=celery57 LEASES_MATRIX_POOL=threads LEASES_MATRIX_BROKER=redis.
+# At most two envs at once: the machine is small and shared. Exits non-zero if
+# any env failed (after writing the table).
+MATRIX_ENVS ?= lint,type,docs,celery53,celery54,celery55,celery56,celery57
+MATRIX_PARALLEL ?= 2
+MATRIX_RESULTS := .tox/matrix
+
+.PHONY: matrix
+matrix: venv
+	$(VENV)/bin/pip install -q tox
+	rm -rf $(MATRIX_RESULTS) && mkdir -p $(MATRIX_RESULTS)
+	status=0; $(VENV)/bin/tox run-parallel -p $(MATRIX_PARALLEL) -e $(MATRIX_ENVS) \
+		--result-json $(MATRIX_RESULTS)/tox.json || status=$$?; \
+	$(VENV)/bin/python -m tests.matrix_report $(MATRIX_RESULTS) docs/compatibility.md || status=1; \
+	exit $$status
