@@ -139,8 +139,11 @@ def test_task_longer_than_its_ttl_keeps_its_lease(pool, client_app, start_worker
 
 def test_stale_owner_outcome_is_refused(pool, client_app, start_worker, history):
     matrix_only("test_worker_integration.py::test_stale_owner_cannot_overwrite_the_new_owner")
-    # Given worker A running a 3 s task with a link callback
-    a = start_worker("a", pool=pool)
+    # Given worker A running a 3 s task with a link callback; A's prefetch window
+    # is full while it runs (one slot, late ack), because RabbitMQ pushes messages
+    # to a paused consumer with a free slot, recovered copies included
+    # (docs/compatibility.md, "RabbitMQ and a paused worker")
+    a = start_worker("a", pool=pool, concurrency=1, LEASES_TEST_ACKS_LATE="1")
     store = celery_leases.store(client_app)
     callback = client_app.signature(f"{TASKS}.note_callback")
     result = client_app.signature(f"{TASKS}.sleep_then_echo", ("out", 3.0)).apply_async(link=callback)
