@@ -15,7 +15,7 @@ setup(
     package_data={"celery_leases": ["py.typed", "scripts/*.lua"]},
     include_package_data=True,
     zip_safe=False,
-    install_requires=["celery[redis]>=5.3", "redis>=4.5"],
+    install_requires=["celery[redis]>=5.3,<5.8", "redis>=4.5"],
     extras_require={
         "test": [
             "pytest",
