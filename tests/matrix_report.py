@@ -2,8 +2,8 @@
 
 Usage: ``python -m tests.matrix_report RESULTS_DIR DOC``. RESULTS_DIR holds one
 junit XML per Celery env (tests/test_matrix.py, with the installed versions as
-suite properties) and tox's ``--result-json`` file (``tox.json``) for the lint,
-type and docs envs. Only the part of DOC between the two markers is replaced;
+suite properties) and tox's ``--result-json`` file (``tox.json``) with every
+env's exit status. Only the part of DOC between the two markers is replaced;
 the prose around it (the reasons behind failures) is written by hand.
 """
 from __future__ import annotations
@@ -89,11 +89,13 @@ def render(results_dir: Path, commit: str, today: str) -> str:
     tox_json = results_dir / "tox.json"
     if tox_json.exists():
         data = json.loads(tox_json.read_text())
+        # Every env's own exit status: a celery env whose cells all passed can
+        # still fail (pytest crashing at session end), and must show it.
         lines += ["| env | result |", "|---|---|"]
-        for name in ("lint", "type", "docs"):
-            env = data.get("testenvs", {}).get(name)
-            if env is None:
-                continue
+        testenvs = data.get("testenvs", {})
+        for name in [n for n in ("lint", "type", "docs") if n in testenvs] + sorted(
+                n for n in testenvs if n.startswith("celery")):
+            env = testenvs[name]
             ok = env.get("result", {}).get("success")
             code = env.get("result", {}).get("exit_code")
             lines.append(f"| {name} | {'pass' if ok else f'**fail** (exit {code})'} |")
