@@ -7,6 +7,8 @@ Locally a missing service skips the test with a visible reason; under CI
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 import pytest
@@ -43,3 +45,29 @@ def amqp_url() -> str:
         skip_or_fail(f"RabbitMQ not reachable at {AMQP_URL.split('@')[-1]} "
                      f"(set LEASES_TEST_AMQP_URL): {exc!r}")
     return AMQP_URL
+
+
+@contextmanager
+def broker_env(celery_env: dict, broker: str, redis_url: str, queue: str) -> Iterator[dict]:
+    """``celery_env`` (tests/conftest.py) with ``broker`` ("redis" or "amqp") as the Celery broker.
+
+    Leases and results stay on ``redis_url``. On RabbitMQ (skip or fail when it
+    is not there) the test's durable queue outlives the test: that queue, and
+    only that one, is deleted on exit.
+    """
+    if broker == "redis":
+        yield celery_env
+        return
+    if broker != "amqp":
+        raise ValueError(f"broker: unknown {broker!r} (known: redis, amqp)")
+    url = amqp_url()
+    try:
+        yield {**celery_env, "LEASES_TEST_BROKER": url, "LEASES_TEST_BACKEND": redis_url,
+               "LEASES_TEST_LEASES_URL": redis_url}
+    finally:
+        from kombu import Connection
+        with Connection(url) as conn:
+            try:
+                conn.default_channel.queue_delete(queue)
+            except Exception:  # noqa: BLE001 - best effort cleanup
+                pass

@@ -25,7 +25,7 @@ import time
 import pytest
 
 import celery_leases
-from tests.services import amqp_url
+from tests.services import broker_env
 from tests.workers import wait_for
 
 TASKS = "tests.apps.leased_app"
@@ -79,18 +79,8 @@ def broker(request) -> str:
 @pytest.fixture
 def celery_env(celery_env, broker, redis_server_url, key_prefix):
     """The conftest environment with this cell's broker (leases and results stay on Redis)."""
-    if broker == "redis":
-        yield celery_env
-        return
-    url = amqp_url()
-    yield {**celery_env, "LEASES_TEST_BROKER": url, "LEASES_TEST_BACKEND": redis_server_url,
-           "LEASES_TEST_LEASES_URL": redis_server_url}
-    from kombu import Connection
-    with Connection(url) as conn:  # our queue is durable on RabbitMQ: remove it (ours only)
-        try:
-            conn.default_channel.queue_delete(key_prefix)
-        except Exception:  # noqa: BLE001 - best effort cleanup
-            pass
+    with broker_env(celery_env, broker, redis_server_url, queue=key_prefix) as env:
+        yield env
 
 
 @pytest.fixture(autouse=True)
