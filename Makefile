@@ -22,7 +22,7 @@ $(VENV)/.has-package:
 	touch $@
 
 test: venv
-	$(VENV)/bin/pytest -q -ra --durations=15 tests/
+	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile --durations=15 tests/
 
 demo: venv
 	@if [ ! -f $(DEMO) ]; then echo "make demo: $(DEMO) does not exist yet" >&2; exit 1; fi

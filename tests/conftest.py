@@ -14,6 +14,16 @@ from tests.services import require_service, skip_or_fail  # noqa: F401  (re-expo
 
 pytest_plugins = ("celery.contrib.pytest",)
 
+#: Modules that run for minutes: collected first, so that under ``make test``'s
+#: two xdist processes (``--dist loadfile``) they start at once and the other
+#: process works through the rest meanwhile, instead of one long module
+#: starting last.
+LONG_MODULES = ("test_chaos.py",)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: keeps the rest in order
+
 
 @pytest.fixture(scope="session")
 def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
