@@ -13,7 +13,7 @@ of its shard.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Keys:
     prefix: str = "leases"
     #: Number of shards (leases_shards); 1 keeps every name in one slot.
     shards: int = 1
+    _shard_keys: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in "{} \n"):
@@ -58,6 +59,9 @@ class Keys:
                 "no braces or whitespace")
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise ValueError(f"leases_shards must be an integer >= 1, got {self.shards!r}")
+        # Built once: every acquire, renew and finish looks its shard up.
+        tags = [self.tag] if self.shards == 1 else ["{" + f"{self.prefix}:{i}" + "}" for i in range(self.shards)]
+        object.__setattr__(self, "_shard_keys", tuple(ShardKeys(i, tag) for i, tag in enumerate(tags)))
 
     @property
     def tag(self) -> str:
@@ -74,12 +78,10 @@ class Keys:
 
     def shard(self, index: int) -> ShardKeys:
         """The keys of shard ``index``."""
-        if self.shards == 1:
-            return ShardKeys(0, self.tag)
-        return ShardKeys(index, "{" + f"{self.prefix}:{index}" + "}")
+        return self._shard_keys[0 if self.shards == 1 else index]
 
     def all_shards(self) -> list[ShardKeys]:
-        return [self.shard(i) for i in range(self.shards)]
+        return list(self._shard_keys)
 
     def shard_for(self, task_id: str) -> ShardKeys:
         """The shard keys that go with ``task_id``'s record in one script call."""
