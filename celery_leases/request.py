@@ -43,9 +43,19 @@ class LeasedRequest(Request):
         generated_execute = cls.__dict__.get("execute_using_pool")
         if generated_execute is not None:
             def execute_using_pool(self, pool, _generated=generated_execute, **kw):
+                if self._lease_defer(pool, kw):
+                    return None
                 self._lease_before_execute()
                 return _generated(self, pool, **kw)
             cls.execute_using_pool = execute_using_pool  # type: ignore[method-assign]
+
+    def _lease_defer(self, pool: Any, kwargs: dict) -> bool:
+        """True when the acquire at receipt is still under way: the task is handed to
+        the pool once its result is back (LeaseWorker._acquired)."""
+        if self.__dict__.get("_lease_inflight"):
+            self._lease_deferred = (pool, kwargs)
+            return True
+        return False
 
     def _lease_before_execute(self) -> None:
         """The store was unreachable at receipt: try again now that the task is due to run."""
@@ -56,6 +66,8 @@ class LeasedRequest(Request):
             worker.acquire_pending(self)
 
     def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+        if self._lease_defer(pool, kwargs):
+            return None
         self._lease_before_execute()
         return super().execute_using_pool(pool, **kwargs)
 

@@ -7,6 +7,10 @@ from celery.utils.dispatch import Signal
 
 #: Sent in the worker's main process when a delivery became the lease owner.
 lease_acquired = Signal(name="lease_acquired", providing_args={"task_id", "token", "owner", "taken_over"})
+#: Sent in the worker's main process when a delivery is not run because it could not
+#: take the lease: ``reason`` says why (a live owner, finished, a stale copy, dead),
+#: ``code`` is the store's Code, ``token`` the current owner's.
+delivery_refused = Signal(name="delivery_refused", providing_args={"task_id", "reason", "code", "token"})
 #: Sent in the worker's main process when a heartbeat learns a held lease was lost.
 lease_lost = Signal(name="lease_lost", providing_args={"task_id", "token", "reason"})
 #: Sent by the recoverer for each task it re-published.

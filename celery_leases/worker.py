@@ -21,7 +21,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery import bootsteps
+from celery.exceptions import TaskRevokedError
 from celery.signals import task_received, worker_shutdown
+
+from .acquirer import Acquirer, Job
 
 from .checks import run_checks
 from .codes import Code
@@ -30,7 +33,8 @@ from .exceptions import LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
-from .signals import lease_acquired, lease_lost
+from .store import Acquisition
+from .signals import delivery_refused, lease_acquired, lease_lost
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -56,10 +60,18 @@ def envelope_of(message: Any) -> dict:
 class LeaseWorker:
     """The leases of one worker process: acquire, heartbeat, release, fallback recovery."""
 
-    def __init__(self, app: Any, config: LeaseConfig, pool: Any = None, hostname: str | None = None) -> None:
+    def __init__(self, app: Any, config: LeaseConfig, pool: Any = None, hostname: str | None = None,
+                 hub: Any = None, quick_release: Any = None) -> None:
         self.app, self.config, self.pool = app, config, pool
+        #: Celery's semaphore release, for a deferred request found revoked (as _process_task does).
+        self.quick_release = quick_release
+        #: Bumped whenever the consumer drops its requests: acquires of an older epoch are released.
+        self._epoch = 0
         self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.store = get_store(app)
+        #: With an event loop, acquires go out from a thread of their own (acquirer.py).
+        self.acquirer = Acquirer(self.store, hub) if hub is not None and Acquirer.supported(self.store) \
+            else None
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
                                    sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
@@ -90,6 +102,9 @@ class LeaseWorker:
     def stop(self, unstarted: bool) -> None:
         """Release what is still held and stop the threads."""
         self._stop.set()
+        self._drop_pending()
+        if self.acquirer is not None:
+            self.acquirer.stop()
         with self.heartbeat.lock:
             leases = {task_id: h.token for task_id, h in self.heartbeat.held.items() if not h.lost}
         if leases:
@@ -114,20 +129,70 @@ class LeaseWorker:
         request._lease_pending = None
         self.on_received(request, due=True)
 
+    def _acquire_call(self, request: Any, config: LeaseConfig) -> dict:
+        message, request_dict = request.message, request.request_dict
+        return dict(task_id=request.id, owner=self.owner, ttl=config.ttl,
+                    generation=int((message.headers or {}).get("lease_generation") or 0),
+                    attempt=int(request_dict.get("retries") or 0),
+                    max_recoveries=config.max_recoveries,
+                    progress_timeout=config.progress_timeout or 0, name=request.task.name,
+                    body=message.body, envelope=envelope_of(message))
+
     def on_received(self, request: Any, due: bool = False) -> None:
-        task = request.task
-        config = self.task_config(task)
-        message = request.message
-        request_dict = request.request_dict
-        generation = int((message.headers or {}).get("lease_generation") or 0)
+        config = self.task_config(request.task)
+        if self.acquirer is not None and not due:
+            # Sent now, read when the event loop sees the reply; the request
+            # is handed to its pool once it is in (LeasedRequest defers it).
+            request._lease_inflight = True
+            self.acquirer.submit(Job(self._acquire_call(request, config), self._acquired, request,
+                                     {"config": config, "epoch": self._epoch}))
+            return
         try:
-            acq = self.store.acquire(
-                request.id, self.owner, ttl=config.ttl, generation=generation,
-                attempt=int(request_dict.get("retries") or 0),
-                max_recoveries=config.max_recoveries,
-                progress_timeout=config.progress_timeout or 0, name=task.name,
-                body=message.body, envelope=envelope_of(message))
-        except LeaseUnavailable as exc:
+            acq = self.store.acquire(**self._acquire_call(request, config))
+        except LeaseError as exc:
+            self._acquire_failed(request, exc, due)
+            return
+        self._hold(request, config, acq)
+        self._settle(request, config, acq)
+
+    def _acquired(self, job: Job, result: Any) -> None:
+        """An acquire sent by the acquirer is answered: settle it, then hand the task to its pool."""
+        request, config = job.request, job.context["config"]
+        request.__dict__.pop("_lease_inflight", None)
+        if job.context["epoch"] != self._epoch:
+            # The consumer dropped the request while its acquire was under way
+            # (broker reconnect, shutdown): never run it; recovery takes the lease at once.
+            request.__dict__.pop("_lease_deferred", None)
+            if isinstance(result, Acquisition) and result.owned:
+                self.release({request.id: result.token}, unstarted=True)
+            return
+        if isinstance(result, Acquisition):
+            self._hold(request, config, result)
+            self._settle(request, config, result)
+        else:
+            self._acquire_failed(request, result if isinstance(result, LeaseError)
+                                 else LeaseError(f"acquire failed: {result!r}"), due=False)
+        deferred = request.__dict__.pop("_lease_deferred", None)
+        if deferred is not None:
+            self._execute(request, *deferred)
+
+    def _execute(self, request: Any, pool: Any, kwargs: dict) -> None:
+        """Hand a deferred request to its pool, as Celery's WorkController._process_task does."""
+        try:
+            request.execute_using_pool(pool, **kwargs)
+        except TaskRevokedError:
+            if self.quick_release is not None:
+                self.quick_release()
+        except Exception as exc:  # noqa: BLE001 - logged, and the lease goes to recovery
+            logger.critical("task %s[%s]: handing the task to the pool failed: %r; its lease is "
+                            "released for recovery", request.name, request.id, exc, exc_info=True)
+            token = request.request_dict.get("lease_token")
+            if token is not None:
+                self.release({request.id: token})
+
+    def _acquire_failed(self, request: Any, exc: LeaseError, due: bool) -> None:
+        task = request.task
+        if isinstance(exc, LeaseUnavailable):
             if due:
                 self._requeue_later(request, exc)
             else:
@@ -138,27 +203,38 @@ class LeaseWorker:
                 logger.warning("task %s[%s]: lease store unreachable at receipt (%s); trying again "
                                "when it is due to run", task.name, request.id, exc)
             return
-        except LeaseError as exc:
-            logger.error("task %s[%s]: lease acquire failed, not run: %s", task.name, request.id, exc)
-            request_dict["lease_skip"] = f"lease acquire failed: {exc}"
-            self._requeue_later(request, exc)
+        logger.error("task %s[%s]: lease acquire failed, not run: %s", task.name, request.id, exc)
+        request.request_dict["lease_skip"] = f"lease acquire failed: {exc}"
+        self._requeue_later(request, exc)
+
+    def _hold(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
+        """An acquired lease: the request carries its token, the heartbeat renews it."""
+        if not acq.owned:
             return
+        request_dict = request.request_dict
+        request_dict["lease_token"] = acq.token
+        request_dict["lease_owner"] = self.owner
+        request_dict["lease_generation"] = acq.generation
+        self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
+                                            ttl=config.ttl, progress=bool(config.progress_timeout)))
+
+    def _settle(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
+        """Announce an acquired lease, or mark a delivery that must not run."""
+        task, message = request.task, request.message
         if acq.owned:
-            request_dict["lease_token"] = acq.token
-            request_dict["lease_owner"] = self.owner
-            request_dict["lease_generation"] = acq.generation
-            self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
-                                                ttl=config.ttl, progress=bool(config.progress_timeout)))
             lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
                                 taken_over=acq.code is Code.TAKEN_OVER)
             return
+        generation = int((message.headers or {}).get("lease_generation") or 0)
         reason = {Code.BUSY: f"another worker holds a live lease (token {acq.token})",
                   Code.FINISHED: f"the task already finished ({acq.state})",
                   Code.STALE: f"stale copy of the message (generation {generation}, "
                               f"current {acq.generation})",
                   Code.DEAD: f"the task used up its {config.max_recoveries} recoveries"}[acq.code]
         logger.info("task %s[%s]: delivery not run: %s", task.name, request.id, reason)
-        request_dict["lease_skip"] = reason
+        request.request_dict["lease_skip"] = reason
+        delivery_refused.send(sender=task, task_id=request.id, reason=reason, code=acq.code,
+                              token=acq.token)
         if acq.code is Code.DEAD:
             from .recovery import Recoverer
             Recoverer(self.app).mark_dead(request.id, acq.recoveries, message.body,
@@ -200,6 +276,7 @@ class LeaseWorker:
         """
         from celery.concurrency.base import BasePool
         from celery.worker.state import active_requests
+        self._drop_pending()
         running = {id(request) for request in list(active_requests)}
         # Prefork's pool discards the jobs it had not started (Consumer.on_close
         # calls pool.flush()); the threads, solo and green pools keep theirs and
@@ -222,6 +299,16 @@ class LeaseWorker:
         logger.info("celery-leases: released %d lease(s) of requests the consumer dropped "
                     "(broker reconnect or shutdown)", released)
         return released
+
+    def _drop_pending(self) -> None:
+        """The consumer dropped its requests: acquires still under way must not hold leases.
+
+        Leases already held are the caller's to release; the replies still
+        outstanding are read now, and each lease they grant is released.
+        """
+        self._epoch += 1
+        if self.acquirer is not None:
+            self.acquirer.flush()
 
     def release(self, leases: dict, unstarted: bool = False) -> int:
         for task_id, token in leases.items():
@@ -327,7 +414,14 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def create(self, w: Any) -> "LeaseStep":
         config = get_config(w.app)
-        self.lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname)
+        # The acquire waits for Redis only where the event loop does not run
+        # task bodies: prefork and threads. Elsewhere (solo, gevent, eventlet,
+        # a transport without a loop) it stays a blocking call at receipt.
+        hub = getattr(w, "hub", None) if getattr(w, "use_eventloop", False) else None
+        if type(w.pool).__module__ not in ("celery.concurrency.prefork", "celery.concurrency.thread"):
+            hub = None
+        self.lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
+                                        quick_release=getattr(w, "_quick_release", None))
         set_worker(w.app, self.lease_worker)
         return self
 

@@ -232,7 +232,20 @@ def create_app(env: Mapping[str, str], *, results: bool = True) -> Celery:
                       redelivered=bool((request.delivery_info or {}).get("redelivered")))
 
     if leased:
-        from celery_leases import stale_outcome_rejected
+        from celery_leases import delivery_refused, lease_acquired, stale_outcome_rejected
+
+        # The acquire's answer comes after task_received (the worker sends it
+        # without waiting): the delivery's token, or why it is not run.
+        @lease_acquired.connect(weak=False)
+        def on_acquired(sender: Any = None, task_id: str = "?", token: Any = None, **kwargs: Any) -> None:
+            if getattr(sender, "name", None) == TASK_NAME:
+                history.event("acquire", task_id, token=token)
+
+        @delivery_refused.connect(weak=False)
+        def on_refused_delivery(sender: Any = None, task_id: str = "?", reason: Any = None,
+                                **kwargs: Any) -> None:
+            if getattr(sender, "name", None) == TASK_NAME:
+                history.event("acquire", task_id, skip=reason)
 
         @stale_outcome_rejected.connect(weak=False)
         def on_refused(sender: Any = None, task_id: str = "?", token: Any = None, outcome: Any = None,

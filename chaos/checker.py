@@ -228,7 +228,7 @@ def _check_task(report: Report, leased: bool, task: dict, events: list[dict], me
 
     # -- tokens (leases) ----------------------------------------------------------------
     if leased:
-        given = [int(e["token"]) for e in events if e["ev"] in ("received", "start") and e.get("token")]
+        given = [int(e["token"]) for e in events if e["ev"] in ("received", "acquire", "start") and e.get("token")]
         if record and record.get("token"):
             given.append(int(record["token"]))
         newest = max(given, default=0)

@@ -67,7 +67,7 @@ def test_duplicate_delivery_on_the_owners_worker_keeps_the_lease_renewed(one_wor
     # When a second copy of its message reaches the same worker (a broker redelivery),
     # which refuses it: another owner holds a live lease
     submit.send_task(TASK_NAME, args=(0, 7.0), task_id="dup")
-    wait_for(lambda: any(e["ev"] == "received" and e.get("skip") for e in read_history(cluster.history_dir)),
+    wait_for(lambda: any(e["ev"] == "acquire" and e.get("skip") for e in read_history(cluster.history_dir)),
              10, what="the duplicate to be refused")
     # Then the owner's lease stays renewed: the task runs once, never recovered
     wait_for(lambda: _finished(app, "leases", ["dup"]), 20, interval=0.5, what="the task to finish")

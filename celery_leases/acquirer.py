@@ -1,0 +1,228 @@
+"""Acquire at receipt without waiting for Redis in the worker's event loop.
+
+Every message a worker receives passes through its main thread, one at a
+time; a blocking acquire there adds a Redis round trip to each. With an event
+loop, the acquire is sent on a connection of its own and the loop goes on; the
+reply is read when the loop sees the socket readable, several at once when
+several acquires went out meanwhile. The task is not handed to its pool until
+its reply is in (``LeasedRequest`` defers it), so no body runs without a lease.
+
+Everything here runs in the loop's thread: no locks, and no second thread
+competing with the loop for the GIL (a first version with a sending thread
+cost the loop more CPU than the round trip it saved).
+
+Not used where the loop thread runs task bodies (solo pool): a reply could
+then wait a whole body long, and the lease expire unrenewed meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from .exceptions import LeaseError
+from .scripts import scripts
+
+logger = logging.getLogger("celery_leases.worker")
+
+
+@dataclass
+class Job:
+    """One acquire: the store's keyword arguments, and what to do with the result."""
+
+    call: dict
+    #: Called in the loop with an Acquisition or a LeaseError.
+    done: Callable[["Job", Any], None]
+    request: Any = None
+    #: Anything the callback needs (the worker keeps its config and epoch here).
+    context: dict = field(default_factory=dict)
+
+
+def pack(*args: Any) -> bytes:
+    """One command in RESP; the arguments are str, bytes or int."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        elif not isinstance(arg, bytes):
+            arg = bytes(arg)
+        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+class Acquirer:
+    """Pipelined acquires on one dedicated connection, read back by the event loop."""
+
+    def __init__(self, store: Any, hub: Any) -> None:
+        self.store, self.hub = store, hub
+        self._conn: Any = None
+        self._fd: int | None = None
+        #: Jobs waiting for their reply, in the order their commands were (or will be) sent.
+        self._inflight: deque[Job] = deque()
+        #: Commands sent whose replies are still to come; commands held until they are in.
+        self._unanswered = 0
+        self._held: list[bytes] = []
+        #: Commands sent, writes that sent them, replies read, reads that found several.
+        self.sent = self.writes = self.replies = self.batched = 0
+
+    @classmethod
+    def supported(cls, store: Any) -> bool:
+        """One server behind a connection pool (plain, TLS, unix socket, Sentinel); not a cluster."""
+        return getattr(store.client, "connection_pool", None) is not None and \
+            not hasattr(store.client, "get_node_from_key")
+
+    @property
+    def pending(self) -> int:
+        return len(self._inflight)
+
+    def submit(self, job: Job) -> None:
+        """Send the acquire; ``job.done`` runs when its reply is read.
+
+        Sent at once when no earlier acquire awaits its reply; otherwise held
+        and sent, with whatever else arrived meanwhile, in one write when the
+        replies are in (as Nagle's algorithm does for TCP). An idle worker
+        waits no longer than before; a busy one makes fewer system calls.
+        """
+        keys, args = self.store._acquire_call(**job.call)
+        self._inflight.append(job)
+        self._held.append(pack("EVALSHA", scripts.acquire.sha, len(keys), *keys, *args))
+        if not self._unanswered:
+            self._send_held()
+
+    def _send_held(self) -> None:
+        commands, self._held = self._held, []
+        try:
+            self._connection().send_packed_command([b"".join(commands)], check_health=False)
+        except Exception as exc:  # noqa: BLE001 - every waiting job learns why; none is dropped
+            self._fail_all(exc)
+            return
+        self._unanswered += len(commands)
+        self.sent += len(commands)
+        self.writes += 1
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            pool = self.store.client.connection_pool
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py before 5.3 wants a command name
+                conn = pool.get_connection("EVALSHA")
+            try:
+                conn.connect()
+            except Exception:
+                pool.release(conn)
+                raise
+            self._conn, self._fd = conn, conn._sock.fileno()
+        # The loop forgets its readers whenever the consumer restarts
+        # (hub.reset()); re-registering is a dict lookup.
+        if self._fd not in self.hub.readers:
+            self.hub.add_reader(self._fd, self.on_readable)
+        return self._conn
+
+    def on_readable(self, *args: Any) -> None:
+        """Read every reply that has arrived and hand each to its job."""
+        conn = self._conn
+        if conn is None:
+            return
+        n = 0
+        try:
+            while True:
+                try:
+                    reply = conn.read_response()
+                except (NoScriptError, ResponseError) as exc:
+                    reply = exc
+                if not self._unanswered:
+                    raise LeaseError(f"acquire connection to {self.store.description}: "
+                                     f"reply without a request: {reply!r}")
+                self._unanswered -= 1
+                n += 1
+                self._deliver(self._inflight.popleft(), reply)
+                if not self._unanswered or not conn.can_read(0):
+                    break
+        except Exception as exc:  # noqa: BLE001 - the connection is reset; waiting jobs fail over
+            self._fail_all(exc)
+        self.replies += n
+        if n > 1:
+            self.batched += 1
+        if self._held and not self._unanswered:
+            self._send_held()
+
+    def _deliver(self, job: Job, reply: Any) -> None:
+        if isinstance(reply, NoScriptError):
+            # The server lost its scripts (restart, SCRIPT FLUSH): the store's
+            # call loads the script again.
+            try:
+                result: Any = self.store.acquire(**job.call)
+            except LeaseError as exc:
+                result = exc
+        elif isinstance(reply, Exception):
+            error = self.store._script_error(scripts.acquire, reply, f"task {job.call.get('task_id')}")
+            result = error if isinstance(error, LeaseError) else LeaseError(repr(reply))
+        else:
+            from .store import _acquisition
+            try:
+                result = _acquisition(reply)
+            except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
+                result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")
+        self._call(job, result)
+
+    def _call(self, job: Job, result: Any) -> None:
+        try:
+            job.done(job, result)
+        except Exception:  # noqa: BLE001 - one job's failure must not stop the others'
+            logger.exception("celery-leases: handling the acquire result of task %s failed",
+                             job.call.get("task_id"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        """The connection broke: drop it; every job waiting on it gets the error."""
+        self._close()
+        error = self.store._script_error(scripts.acquire, exc, "acquire connection")
+        if not isinstance(error, LeaseError):
+            error = LeaseError(f"acquire failed on {self.store.description}: {exc!r}")
+        jobs = list(self._inflight)
+        self._inflight.clear()
+        self._held, self._unanswered = [], 0
+        for job in jobs:
+            self._call(job, error)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Read every outstanding reply now, blocking (shutdown, consumer restart)."""
+        while self._inflight:
+            if self._held and not self._unanswered:
+                self._send_held()
+                continue
+            try:
+                ready = self._conn.can_read(timeout)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_all(exc)
+                return
+            if not ready:
+                self._fail_all(TimeoutError(f"no reply to {len(self._inflight)} acquire(s) "
+                                            f"within {timeout}s"))
+                return
+            self.on_readable()
+
+    def _close(self) -> None:
+        conn, fd = self._conn, self._fd
+        self._conn = self._fd = None
+        if fd is not None and fd in self.hub.readers:
+            try:
+                self.hub.remove_reader(fd)
+            except Exception:  # noqa: BLE001 - the loop may already be closed
+                pass
+        if conn is not None:
+            # Back to the pool, closed: the replies it still owed are gone with it.
+            conn.disconnect()
+            self.store.client.connection_pool.release(conn)
+
+    def stop(self) -> None:
+        self.flush()
+        self._close()
+
+
+__all__ = ["Acquirer", "Job", "pack"]

@@ -1,0 +1,197 @@
+"""The acquire at receipt, sent without waiting (celery_leases/acquirer.py), on a real Redis.
+
+The event loop is stood in for by a table of readers and ``select``: what the
+worker's hub does with the acquirer's socket is to call ``on_readable`` when
+it turns readable, which is what these tests do.
+"""
+from __future__ import annotations
+
+import select
+import uuid
+from typing import Any
+
+import celery
+import kombu
+import pytest
+import redis
+
+from celery_leases import Code, LeasedTask, LeaseStore, install
+from celery_leases.acquirer import Acquirer, Job, pack
+from celery_leases.config import get_config
+from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
+from celery_leases.processes import RedisServer
+from celery_leases.store import Acquisition
+from celery_leases.worker import LeaseWorker
+
+
+class Hub:
+    """The part of kombu's Hub the acquirer uses."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, Any] = {}
+
+    def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
+        self.readers[fd] = (callback, args)
+
+    def remove_reader(self, fd: int) -> None:
+        self.readers.pop(fd, None)
+
+
+def wait_readable(hub: Hub, timeout: float = 5.0) -> None:
+    (fd,) = hub.readers
+    ready, _, _ = select.select([fd], [], [], timeout)
+    assert ready, f"no reply within {timeout}s"
+    callback, args = hub.readers[fd]
+    callback(*args)
+
+
+def job(results: list, task_id: str, owner: str = "w1") -> Job:
+    return Job({"task_id": task_id, "owner": owner, "name": "t", "body": b"body",
+                "envelope": {"headers": {"id": task_id}}},
+               lambda j, result: results.append((j.call["task_id"], result)))
+
+
+@pytest.fixture
+def store(redis_server_url, key_prefix):
+    return LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=30)
+
+
+def test_pack_is_the_resp_encoding_redis_py_sends():
+    args = ("EVALSHA", "abc", 2, "k1", b"\x00bin\r\n", 0, -5, "é")
+    conn = redis.Connection()
+    assert pack(*args) == b"".join(conn.pack_command(*args))
+
+
+def test_replies_come_back_in_order_and_later_acquires_go_out_together(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    ids = [f"t{i}-{uuid.uuid4()}" for i in range(10)]
+    acquirer.submit(job(results, ids[0]))
+    # The first goes out at once; the next ones wait for its reply, then go out in one write.
+    for task_id in ids[1:]:
+        acquirer.submit(job(results, task_id))
+    assert (acquirer.sent, acquirer.writes) == (1, 1)
+    while len(results) < len(ids):
+        wait_readable(hub)
+    assert (acquirer.sent, acquirer.writes) == (10, 2)
+    assert [task_id for task_id, _ in results] == ids
+    acquisitions = [result for _, result in results]
+    assert all(isinstance(a, Acquisition) and a.code is Code.ACQUIRED for a in acquisitions)
+    tokens = [a.token for a in acquisitions]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    assert [store.get(t).token for t in ids] == tokens
+    assert acquirer.pending == 0
+
+
+def test_an_error_reply_fails_only_its_own_job(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    bad = f"bad-{uuid.uuid4()}"
+    store.client.set(store.keys.record(bad), "not a hash")
+    ids = [f"a-{uuid.uuid4()}", bad, f"b-{uuid.uuid4()}"]
+    for task_id in ids:
+        acquirer.submit(job(results, task_id))
+    while len(results) < 3:
+        wait_readable(hub)
+    by_id = dict(results)
+    assert isinstance(by_id[bad], CorruptRecord) and bad in str(by_id[bad])
+    assert by_id[ids[0]].owned and by_id[ids[2]].owned
+
+
+def test_a_server_that_lost_its_scripts_still_answers(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    store.client.script_flush()
+    acquirer.submit(job(results, task_id := f"n-{uuid.uuid4()}"))
+    wait_readable(hub)
+    assert results[0][0] == task_id and results[0][1].owned
+
+
+def test_a_lost_connection_fails_every_waiting_job_and_the_next_one_reconnects(tmp_path, key_prefix):
+    server = RedisServer(dir=tmp_path).start()
+    store = LeaseStore(redis.Redis.from_url(server.url, socket_timeout=2), prefix=key_prefix)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    try:
+        acquirer.submit(job(results, "first"))
+        wait_readable(hub)
+        assert results.pop()[1].owned
+        server.stop()
+        # The connection is dead; the acquirer learns it sending or reading, whichever comes first.
+        for task_id in ("x", "y", "z"):
+            acquirer.submit(job(results, task_id))
+        acquirer.flush(timeout=5)
+        assert [task_id for task_id, _ in results] == ["x", "y", "z"]
+        assert all(isinstance(result, LeaseUnavailable) for _, result in results)
+        assert acquirer.pending == 0 and not hub.readers
+        results.clear()
+        # No server: the job fails at once, named, instead of waiting for a reply that never comes.
+        acquirer.submit(job(results, "w"))
+        assert results[0][0] == "w" and isinstance(results[0][1], LeaseUnavailable)
+    finally:
+        server.stop()
+
+
+# -- the worker side: deferred hand-over to the pool, dropped requests --------------------------
+
+@pytest.fixture
+def lease_worker(redis_server_url, key_prefix):
+    app = celery.Celery("acq", broker="memory://", set_as_current=False)
+    app.conf.update(leases_redis_url=redis_server_url, leases_key_prefix=key_prefix,
+                    leases_worker_recovery=False)
+    install(app)
+
+    @app.task(base=LeasedTask, name="acq.noop", shared=False)
+    def noop():
+        return None
+
+    app.send_task("acq.noop", queue="acq")
+    with app.connection_for_read() as conn:
+        message = kombu.Queue("acq")(conn.default_channel).get(no_ack=True)
+    hub = Hub()
+    worker = LeaseWorker(app, get_config(app), hub=hub)
+    yield worker, hub, noop, message
+    app.close()
+
+
+class Request:
+    """What LeaseWorker reads of a Celery request, and a pool hand-over that records its token."""
+
+    def __init__(self, task: Any, message: Any) -> None:
+        self.id, self.task, self.message, self.name = str(uuid.uuid4()), task, message, task.name
+        self.request_dict: dict = {"retries": 0}
+        self.executed_with: list = []
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
+        self.executed_with.append(self.request_dict.get("lease_token"))
+
+
+def test_a_request_is_handed_to_its_pool_only_once_its_lease_is_held(lease_worker):
+    worker, hub, task, message = lease_worker
+    request = Request(task, message)
+    worker.on_received(request)
+    assert request.__dict__.get("_lease_inflight")
+    # Celery hands the request over while the reply is still on its way: deferred.
+    request._lease_deferred = ("pool", {})
+    assert request.executed_with == []
+    wait_readable(hub)
+    token = worker.store.get(request.id).token
+    assert request.executed_with == [token]
+    assert request.request_dict["lease_token"] == token
+    assert worker.heartbeat.held[request.id].token == token
+
+
+def test_acquires_under_way_when_the_consumer_drops_its_requests_are_released(lease_worker):
+    worker, hub, task, message = lease_worker
+    requests = [Request(task, message) for _ in range(3)]
+    for request in requests:
+        worker.on_received(request)
+        request._lease_deferred = ("pool", {})
+    # A broker reconnect: Celery drops the requests it had not started.
+    worker.release_dropped()
+    assert all(request.executed_with == [] for request in requests)
+    assert worker.heartbeat.held == {}
+    due = set(worker.store.expired())
+    for request in requests:
+        record = worker.store.get(request.id)
+        assert record.state == "active" and request.id in due, record
