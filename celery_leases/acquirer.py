@@ -25,6 +25,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from .exceptions import LeaseError
 from .scripts import scripts
+from .store import acquisition_of
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -88,7 +89,7 @@ class Acquirer:
         replies are in (as Nagle's algorithm does for TCP). An idle worker
         waits no longer than before; a busy one makes fewer system calls.
         """
-        keys, args = self.store._acquire_call(**job.call)
+        keys, args = self.store.acquire_args(**job.call)
         self._inflight.append(job)
         self._held.append(pack("EVALSHA", scripts.acquire.sha, len(keys), *keys, *args))
         if not self._unanswered:
@@ -161,12 +162,11 @@ class Acquirer:
             except LeaseError as exc:
                 result = exc
         elif isinstance(reply, Exception):
-            error = self.store._script_error(scripts.acquire, reply, f"task {job.call.get('task_id')}")
+            error = self.store.script_error(scripts.acquire, reply, f"task {job.call.get('task_id')}")
             result = error if isinstance(error, LeaseError) else LeaseError(repr(reply))
         else:
-            from .store import _acquisition
             try:
-                result = _acquisition(reply)
+                result = acquisition_of(reply)
             except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
                 result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")
         self._call(job, result)
@@ -181,7 +181,7 @@ class Acquirer:
     def _fail_all(self, exc: Exception) -> None:
         """The connection broke: drop it; every job waiting on it gets the error."""
         self._close()
-        error = self.store._script_error(scripts.acquire, exc, "acquire connection")
+        error = self.store.script_error(scripts.acquire, exc, "acquire connection")
         if not isinstance(error, LeaseError):
             error = LeaseError(f"acquire failed on {self.store.description}: {exc!r}")
         jobs = list(self._inflight)

@@ -190,12 +190,12 @@ class LeaseStore:
         try:
             return script(self.client, keys, args)
         except Exception as exc:
-            error = self._script_error(script, exc, what)
+            error = self.script_error(script, exc, what)
             if error is exc:
                 raise
             raise error from exc
 
-    def _script_error(self, script: Script, exc: Exception, what: str) -> Exception:
+    def script_error(self, script: Script, exc: Exception, what: str) -> Exception:
         """The LeaseError a Redis error of ``script`` becomes (anything else unchanged)."""
         if isinstance(exc, _UNAVAILABLE):
             return LeaseUnavailable(
@@ -231,7 +231,7 @@ class LeaseStore:
         try:
             results = send()
         except Exception as exc:
-            error = self._script_error(script, exc, what)
+            error = self.script_error(script, exc, what)
             if error is exc:
                 raise
             raise error from exc
@@ -240,7 +240,7 @@ class LeaseStore:
             if isinstance(result, NoScriptError):
                 result = self._run(script, keys, args, what)
             elif isinstance(result, Exception):
-                raise self._script_error(script, result, what) from result
+                raise self.script_error(script, result, what) from result
             out.append(result)
         return out
 
@@ -288,7 +288,7 @@ class LeaseStore:
                         keys, args = calls[i]
                         result = self._run(script, keys, args, what)
                     elif isinstance(result, Exception):
-                        raise self._script_error(script, result, what) from result
+                        raise self.script_error(script, result, what) from result
                 except LeaseError as exc:
                     # The other masters' calls still run (a heartbeat still
                     # renews the shards that answer); the first error is raised.
@@ -328,62 +328,17 @@ class LeaseStore:
         vanished (a failover lost the write that created it): the record is
         re-created with that token, or LOST comes back if another record exists.
         """
-        keys, args = self._acquire_call(
+        keys, args = self.acquire_args(
             task_id, owner, ttl=ttl, generation=generation, attempt=attempt,
             max_recoveries=max_recoveries, progress_timeout=progress_timeout, name=name,
             body=body, envelope=envelope, reassert=reassert)
-        return _acquisition(self._run(scripts.acquire, keys, args, f"task {task_id}, key {keys[0]}"))
+        return acquisition_of(self._run(scripts.acquire, keys, args, f"task {task_id}, key {keys[0]}"))
 
-    def acquire_many(self, calls: Sequence[Mapping[str, Any]]) -> list[Acquisition | LeaseError]:
-        """Several ``acquire`` calls (keyword arguments each) in one round trip per server.
-
-        Returns one Acquisition or LeaseError per call, in order: the calls are
-        independent, so one that fails does not fail the others. A worker
-        uses this to acquire the messages it received meanwhile together.
-        """
-        if not calls:
-            return []
-        prepared = [self._acquire_call(**call) for call in calls]
-        if len(prepared) == 1 or hasattr(self.client, "get_node_from_key"):
-            # A cluster's calls go to different masters: one by one (still off the event loop).
-            results: list[Any] = []
-            for keys, args in prepared:
-                try:
-                    results.append(self._run(scripts.acquire, keys, args, f"key {keys[0]}"))
-                except LeaseError as exc:
-                    results.append(exc)
-        else:
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                for keys, args in prepared:
-                    pipe.evalsha(scripts.acquire.sha, len(keys), *keys, *args)
-                results = pipe.execute(raise_on_error=False)
-            except Exception as exc:
-                error = self._script_error(scripts.acquire, exc, f"{len(calls)} acquires")
-                if not isinstance(error, LeaseError):
-                    raise
-                return [error] * len(calls)
-        out: list[Acquisition | LeaseError] = []
-        for (keys, args), result in zip(prepared, results):
-            what = f"task {args[0]}, key {keys[0]}"
-            try:
-                if isinstance(result, NoScriptError):
-                    result = self._run(scripts.acquire, keys, args, what)
-                elif isinstance(result, Exception):
-                    error = self._script_error(scripts.acquire, result, what)
-                    out.append(error if isinstance(error, LeaseError)
-                               else LeaseError(f"acquire ({what}) failed: {result!r}"))
-                    continue
-                out.append(_acquisition(result))
-            except LeaseError as exc:
-                out.append(exc)
-        return out
-
-    def _acquire_call(self, task_id: str, owner: str, *, ttl: float | None = None,
+    def acquire_args(self, task_id: str, owner: str, *, ttl: float | None = None,
                       generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                       progress_timeout: float = 0, name: str = "", body: bytes = b"",
                       envelope: Mapping | None = None, reassert: int = 0) -> tuple[list, list]:
-        """KEYS and ARGV of acquire.lua."""
+        """KEYS and ARGV of acquire.lua (for a caller that sends the script itself: the worker's acquirer)."""
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
         return ([key, shard.deadlines, shard.sequence, shard.stats, self.keys.message(task_id)],
                 [task_id, owner, _ms(self.ttl if ttl is None else ttl), int(generation), int(attempt),
@@ -909,7 +864,7 @@ class LeaseStore:
 _compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def _acquisition(raw: Sequence[Any]) -> Acquisition:
+def acquisition_of(raw: Sequence[Any]) -> Acquisition:
     code, token, gen, recoveries, state = raw
     return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
 
