@@ -7,6 +7,10 @@ reply is read when the loop sees the socket readable, several at once when
 several acquires went out meanwhile. The task is not handed to its pool until
 its reply is in (``LeasedRequest`` defers it), so no body runs without a lease.
 
+redis-py opens the connection (TLS, AUTH, SELECT, Sentinel's current
+master); the commands and replies then go over its socket directly
+(resp.py), since one read may bring several replies.
+
 Everything here runs in the loop's thread: no locks, and no second thread
 competing with the loop for the GIL (a first version with a sending thread
 cost the loop more CPU than the round trip it saved).
@@ -17,13 +21,16 @@ then wait a whole body long, and the lease expire unrenewed meanwhile.
 from __future__ import annotations
 
 import logging
+import select
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 
 from .exceptions import LeaseError
+from .resp import Incomplete, pack, parse
 from .scripts import scripts
 from .store import acquisition_of
 
@@ -42,27 +49,16 @@ class Job:
     context: dict = field(default_factory=dict)
 
 
-def pack(*args: Any) -> bytes:
-    """One command in RESP; the arguments are str, bytes or int."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, str):
-            arg = arg.encode()
-        elif isinstance(arg, int):
-            arg = b"%d" % arg
-        elif not isinstance(arg, bytes):
-            arg = bytes(arg)
-        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    return b"".join(out)
-
-
 class Acquirer:
     """Pipelined acquires on one dedicated connection, read back by the event loop."""
 
     def __init__(self, store: Any, hub: Any) -> None:
         self.store, self.hub = store, hub
         self._conn: Any = None
+        self._sock: Any = None
         self._fd: int | None = None
+        #: Bytes read and not yet parsed (a reply cut across reads).
+        self._buffer = bytearray()
         #: Jobs waiting for their reply, in the order their commands were (or will be) sent.
         self._inflight: deque[Job] = deque()
         #: Commands sent whose replies are still to come; commands held until they are in.
@@ -98,7 +94,8 @@ class Acquirer:
     def _send_held(self) -> None:
         commands, self._held = self._held, []
         try:
-            self._connection().send_packed_command([b"".join(commands)], check_health=False)
+            self._connection()
+            self._sock.sendall(b"".join(commands))
         except Exception as exc:  # noqa: BLE001 - every waiting job learns why; none is dropped
             self._fail_all(exc)
             return
@@ -118,7 +115,11 @@ class Acquirer:
             except Exception:
                 pool.release(conn)
                 raise
-            self._conn, self._fd = conn, conn._sock.fileno()
+            # redis-py connects (TLS, AUTH, SELECT, Sentinel's master); from
+            # then on this socket is read and written here only.
+            self._conn, self._sock = conn, conn._sock
+            self._fd = self._sock.fileno()
+            self._buffer.clear()
         # The loop forgets its readers whenever the consumer restarts
         # (hub.reset()); re-registering is a dict lookup.
         if self._fd not in self.hub.readers:
@@ -126,24 +127,34 @@ class Acquirer:
         return self._conn
 
     def on_readable(self, *args: Any) -> None:
-        """Read every reply that has arrived and hand each to its job."""
-        conn = self._conn
-        if conn is None:
+        """Read what has arrived and hand each complete reply to its job."""
+        sock = self._sock
+        if sock is None:
             return
         n = 0
         try:
             while True:
-                try:
-                    reply = conn.read_response()
-                except (NoScriptError, ResponseError) as exc:
-                    reply = exc
-                if not self._unanswered:
-                    raise LeaseError(f"acquire connection to {self.store.description}: "
-                                     f"reply without a request: {reply!r}")
-                self._unanswered -= 1
-                n += 1
-                self._deliver(self._inflight.popleft(), reply)
-                if not self._unanswered or not conn.can_read(0):
+                data = sock.recv(65536)
+                if not data:
+                    raise RedisConnectionError(f"{self.store.description} closed the acquire connection")
+                buffer = self._buffer
+                buffer += data
+                pos = 0
+                while True:
+                    try:
+                        reply, after = parse(buffer, pos)
+                    except Incomplete:
+                        break
+                    if not self._unanswered:
+                        raise LeaseError(f"acquire connection to {self.store.description}: "
+                                         f"reply without a request: {reply!r}")
+                    pos = after
+                    self._unanswered -= 1
+                    n += 1
+                    self._deliver(self._inflight.popleft(), reply)
+                del buffer[:pos]
+                # A TLS socket may hold decrypted bytes the poller cannot see.
+                if not self._unanswered or not getattr(sock, "pending", lambda: 0)():
                     break
         except Exception as exc:  # noqa: BLE001 - the connection is reset; waiting jobs fail over
             self._fail_all(exc)
@@ -197,7 +208,8 @@ class Acquirer:
                 self._send_held()
                 continue
             try:
-                ready = self._conn.can_read(timeout)
+                ready = bool(getattr(self._sock, "pending", lambda: 0)()) or \
+                    bool(select.select([self._sock], [], [], timeout)[0])
             except Exception as exc:  # noqa: BLE001
                 self._fail_all(exc)
                 return
@@ -209,7 +221,8 @@ class Acquirer:
 
     def _close(self) -> None:
         conn, fd = self._conn, self._fd
-        self._conn = self._fd = None
+        self._conn = self._sock = self._fd = None
+        self._buffer.clear()
         if fd is not None and fd in self.hub.readers:
             try:
                 self.hub.remove_reader(fd)
@@ -225,4 +238,4 @@ class Acquirer:
         self._close()
 
 
-__all__ = ["Acquirer", "Job", "pack"]
+__all__ = ["Acquirer", "Job"]

@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from celery_leases import Code, LeasedTask, LeaseStore, install
-from celery_leases.acquirer import Acquirer, Job, pack
+from celery_leases.acquirer import Acquirer, Job
+from celery_leases.resp import pack
 from celery_leases.config import get_config
 from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
 from celery_leases.processes import RedisServer
@@ -195,3 +196,28 @@ def test_acquires_under_way_when_the_consumer_drops_its_requests_are_released(le
     for request in requests:
         record = worker.store.get(request.id)
         assert record.state == "active" and request.id in due, record
+
+
+def test_parse_decodes_what_a_script_reply_holds_and_waits_for_the_rest():
+    from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
+
+    from celery_leases.resp import Incomplete, parse
+
+    wire = (b"*5\r\n:1\r\n:42\r\n:0\r\n:-3\r\n$6\r\nactive\r\n"
+            b"-NOSCRIPT No matching script.\r\n-LOADING loading\r\n-CORRUPT k field x\r\n"
+            b"*2\r\n$-1\r\n_\r\n+OK\r\n*0\r\n")
+    replies, pos = [], 0
+    while pos < len(wire):
+        reply, pos = parse(wire, pos)
+        replies.append(reply)
+    assert replies[0] == [1, 42, 0, -3, b"active"]
+    assert isinstance(replies[1], NoScriptError) and isinstance(replies[2], BusyLoadingError)
+    assert type(replies[3]) is ResponseError and "CORRUPT k field x" in str(replies[3])
+    assert replies[4:] == [[None, None], b"OK", []]
+    # A reply cut anywhere is not decoded until the rest is there.
+    first = wire[:wire.index(b"-NOSCRIPT")]
+    for cut in range(len(first)):
+        with pytest.raises(Incomplete):
+            parse(first[:cut])
+    with pytest.raises(ResponseError, match="unexpected reply type"):
+        parse(b"!oops\r\n")
