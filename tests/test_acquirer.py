@@ -15,6 +15,8 @@ import kombu
 import pytest
 import redis
 
+import celery_leases
+
 from celery_leases import Code, LeasedTask, LeaseStore, install
 from celery_leases.acquirer import Acquirer, Job
 from celery_leases.resp import pack
@@ -221,3 +223,44 @@ def test_parse_decodes_what_a_script_reply_holds_and_waits_for_the_rest():
             parse(first[:cut])
     with pytest.raises(ResponseError, match="unexpected reply type"):
         parse(b"!oops\r\n")
+
+
+# -- a real worker -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_stalled_lease_store_stalls_only_the_leased_tasks(pool, celery_env, start_worker, history,
+                                                            tmp_path):
+    import os
+    import signal
+    import time
+
+    from tests.apps.leased_app import create_app
+
+    # Given a lease store on its own Redis (broker, results and the history elsewhere)
+    lease_redis = RedisServer(dir=tmp_path).start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url,
+               "LEASES_TEST_HISTORY_URL": celery_env["LEASES_TEST_BROKER"]}
+        app = create_app(env)
+        start_worker("a", pool=pool, **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        # When the lease store stops answering (SIGSTOP) and a leased, then a plain task arrive
+        os.kill(lease_redis.process.pid, signal.SIGSTOP)
+        try:
+            leased = app.signature("tests.apps.leased_app.sleep_then_echo", ("L",)).delay()
+            plain = app.signature("tests.apps.leased_app.plain_sleep", ("P",)).delay()
+            # Then the plain task runs at once: the worker's event loop does not wait for the
+            # leased task's acquire (a blocking acquire held it for the socket timeout, 2 s+)
+            assert plain.get(timeout=1.5) == "P"
+            # ... and the leased task's body has not run without its lease
+            time.sleep(0.5)
+            assert leased.id not in {task_id for event, task_id, *_ in history() if event == "start"}
+        finally:
+            os.kill(lease_redis.process.pid, signal.SIGCONT)
+        # Once the store answers, the leased task runs under its lease, once
+        assert leased.get(timeout=15) == "L"
+        record = celery_leases.store(app).get(leased.id)
+        assert record.state == "succeeded" and record.recoveries == 0
+        assert [e for e, task_id, *_ in history() if task_id == leased.id].count("start") == 1
+        app.close()
+    finally:
+        lease_redis.stop()
