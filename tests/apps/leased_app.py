@@ -61,7 +61,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         parts = [event, task_id, str(os.getpid())] + [f"{k}={v}" for k, v in sorted(fields.items())]
         sink.rpush(f"{prefix}:history", "|".join(parts))
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def sleep_then_echo(self, value, seconds=0.0):
         record("start", self.request.id, token=self.lease.token, value=value)
         deadline = time.monotonic() + seconds
@@ -71,25 +71,25 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return value
 
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def add(self, x, y):
         record("start", self.request.id, token=self.lease.token)
         return x + y
 
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def tsum(self, values):
         record("start", self.request.id, token=self.lease.token)
         return sum(values)
 
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def note_callback(self, value):
         record("callback", self.request.id, value=value)
         return value
 
 
-    @app.task(base=LeasedTask, bind=True, max_retries=5)
+    @app.task(base=LeasedTask, bind=True, max_retries=5, shared=False)
     def retry_twice(self):
         record("start", self.request.id, token=self.lease.token, retries=self.request.retries)
         if self.request.retries < 2:
@@ -97,7 +97,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return "done"
 
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def kill_own_worker(self):
         """A poison pill: kills the whole worker (main process included) every time it runs."""
         record("start", self.request.id, token=self.lease.token)
@@ -106,7 +106,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         time.sleep(5)
 
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def kill_own_child(self, seconds=0.2):
         """Kills its own pool process (prefork) the first time it runs."""
         record("start", self.request.id, token=self.lease.token)
@@ -116,7 +116,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return "survived"
 
 
-    @app.task(base=LeasedTask, bind=True, lease_progress_timeout=1.0)
+    @app.task(base=LeasedTask, bind=True, lease_progress_timeout=1.0, shared=False)
     def stuck(self, beats=0):
         """Calls heartbeat() `beats` times (0.2 s apart), then stops reporting progress."""
         record("start", self.request.id, token=self.lease.token)
@@ -130,14 +130,14 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return "finished"
 
 
-    @app.task(bind=True)
+    @app.task(bind=True, shared=False)
     def plain_sleep(self, value, seconds=0.0):
         record("start", self.request.id)
         time.sleep(seconds)
         return value
 
 
-    @app.task(base=LeasedTask, bind=True)
+    @app.task(base=LeasedTask, bind=True, shared=False)
     def two_steps(self, pause=3.0):
         """Once-only steps "first" and "second"; the first execution to run "second"
         stays inside it for `pause` s (a window to pause the worker) before recording it."""
@@ -160,21 +160,21 @@ def create_app(env: Mapping[str, str]) -> Celery:
         record("end", self.request.id, token=self.lease.token, first=first, second=second)
         return [first, second]
 
-    @app.task(base=LeasedTask)
+    @app.task(base=LeasedTask, shared=False)
     def add_unbound(x, y):
         return x + y
 
-    @app.task(base=LeasedTask, bind=True, ignore_result=True)
+    @app.task(base=LeasedTask, bind=True, ignore_result=True, shared=False)
     def add_ignored(self, x, y):
         record("start", self.request.id, token=self.lease.token)
         return x + y
 
-    @app.task(base=LeasedTask, bind=True, time_limit=1)
+    @app.task(base=LeasedTask, bind=True, time_limit=1, shared=False)
     def hard_limited(self):
         record("start", self.request.id, token=self.lease.token)
         time.sleep(5)
 
-    @app.task(base=LeasedTask, bind=True, soft_time_limit=0.5)
+    @app.task(base=LeasedTask, bind=True, soft_time_limit=0.5, shared=False)
     def soft_limited(self):
         from celery.exceptions import SoftTimeLimitExceeded
         record("start", self.request.id, token=self.lease.token)
