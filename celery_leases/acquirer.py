@@ -64,8 +64,8 @@ class Acquirer:
         #: Commands sent whose replies are still to come; commands held until they are in.
         self._unanswered = 0
         self._held: list[bytes] = []
-        #: Commands sent, writes that sent them, replies read, reads that found several.
-        self.sent = self.writes = self.replies = self.batched = 0
+        #: Commands sent, and the writes that sent them (several commands per write when busy).
+        self.sent = self.writes = 0
 
     @classmethod
     def supported(cls, store: Any) -> bool:
@@ -131,7 +131,6 @@ class Acquirer:
         sock = self._sock
         if sock is None:
             return
-        n = 0
         try:
             while True:
                 data = sock.recv(65536)
@@ -150,7 +149,6 @@ class Acquirer:
                                          f"reply without a request: {reply!r}")
                     pos = after
                     self._unanswered -= 1
-                    n += 1
                     self._deliver(self._inflight.popleft(), reply)
                 del buffer[:pos]
                 # A TLS socket may hold decrypted bytes the poller cannot see.
@@ -158,9 +156,6 @@ class Acquirer:
                     break
         except Exception as exc:  # noqa: BLE001 - the connection is reset; waiting jobs fail over
             self._fail_all(exc)
-        self.replies += n
-        if n > 1:
-            self.batched += 1
         if self._held and not self._unanswered:
             self._send_held()
 

@@ -25,7 +25,6 @@ from celery.exceptions import TaskRevokedError
 from celery.signals import task_received, worker_shutdown
 
 from .acquirer import Acquirer, Job
-
 from .checks import run_checks
 from .codes import Code
 from .config import LeaseConfig, get_config
@@ -33,8 +32,8 @@ from .exceptions import LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
-from .store import Acquisition
 from .signals import delivery_refused, lease_acquired, lease_lost
+from .store import Acquisition
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -69,7 +68,7 @@ class LeaseWorker:
         self._epoch = 0
         self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.store = get_store(app)
-        #: With an event loop, acquires go out from a thread of their own (acquirer.py).
+        #: With an event loop, acquires are sent without waiting for the reply (acquirer.py).
         self.acquirer = Acquirer(self.store, hub) if hub is not None and Acquirer.supported(self.store) \
             else None
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
@@ -152,7 +151,6 @@ class LeaseWorker:
         except LeaseError as exc:
             self._acquire_failed(request, exc, due)
             return
-        self._hold(request, config, acq)
         self._settle(request, config, acq)
 
     def _acquired(self, job: Job, result: Any) -> None:
@@ -167,11 +165,9 @@ class LeaseWorker:
                 self.release({request.id: result.token}, unstarted=True)
             return
         if isinstance(result, Acquisition):
-            self._hold(request, config, result)
             self._settle(request, config, result)
-        else:
-            self._acquire_failed(request, result if isinstance(result, LeaseError)
-                                 else LeaseError(f"acquire failed: {result!r}"), due=False)
+        else:  # a LeaseError: the acquirer hands out nothing else
+            self._acquire_failed(request, result, due=False)
         deferred = request.__dict__.pop("_lease_deferred", None)
         if deferred is not None:
             self._execute(request, *deferred)
@@ -207,21 +203,17 @@ class LeaseWorker:
         request.request_dict["lease_skip"] = f"lease acquire failed: {exc}"
         self._requeue_later(request, exc)
 
-    def _hold(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
-        """An acquired lease: the request carries its token, the heartbeat renews it."""
-        if not acq.owned:
-            return
-        request_dict = request.request_dict
-        request_dict["lease_token"] = acq.token
-        request_dict["lease_owner"] = self.owner
-        request_dict["lease_generation"] = acq.generation
-        self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
-                                            ttl=config.ttl, progress=bool(config.progress_timeout)))
-
     def _settle(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
-        """Announce an acquired lease, or mark a delivery that must not run."""
+        """An acquired lease: the request carries its token and the heartbeat renews it.
+        Any other answer marks the delivery as one that must not run."""
         task, message = request.task, request.message
         if acq.owned:
+            request_dict = request.request_dict
+            request_dict["lease_token"] = acq.token
+            request_dict["lease_owner"] = self.owner
+            request_dict["lease_generation"] = acq.generation
+            self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
+                                                ttl=config.ttl, progress=bool(config.progress_timeout)))
             lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
                                 taken_over=acq.code is Code.TAKEN_OVER)
             return
@@ -347,15 +339,12 @@ class LeaseWorker:
         request = held.request
         if request is None:
             return False
-        config = self.task_config(request.task)
-        message, request_dict = request.message, request.request_dict
+        call = self._acquire_call(request, self.task_config(request.task))
+        # The generation the lease was acquired under (it may be above the message header's).
+        call.update(ttl=held.ttl, generation=int(request.request_dict.get("lease_generation") or 0),
+                    reassert=held.token)
         try:
-            acq = self.store.acquire(
-                task_id, self.owner, ttl=held.ttl,
-                generation=int(request_dict.get("lease_generation") or 0),
-                attempt=int(request_dict.get("retries") or 0), max_recoveries=config.max_recoveries,
-                progress_timeout=config.progress_timeout or 0, name=request.task.name,
-                body=message.body, envelope=envelope_of(message), reassert=held.token)
+            acq = self.store.acquire(**call)
         except LeaseError as exc:
             logger.error("task %s: lease record missing and could not be re-created: %s", task_id, exc)
             return False

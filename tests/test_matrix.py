@@ -19,14 +19,13 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
-import signal
 import time
 
 import pytest
 
 import celery_leases
 from tests.services import broker_env
-from tests.workers import wait_for
+from tests.workers import stale_owner_race, starts, wait_for
 
 TASKS = "tests.apps.leased_app"
 KNOWN_POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
@@ -97,10 +96,6 @@ def matrix_only(equivalent: str) -> None:
         pytest.skip(f"runs under make matrix; prefork+Redis is covered in make test by {equivalent}")
 
 
-def starts(history, task_id):
-    return [h for h in history() if h[0] == "start" and h[1] == task_id]
-
-
 def test_leased_task_runs_once_and_finishes_with_its_token(pool, client_app, start_worker, history):
     # Given one worker of this pool
     start_worker("a", pool=pool)
@@ -148,21 +143,11 @@ def test_stale_owner_outcome_is_refused(pool, client_app, start_worker, history)
     callback = client_app.signature(f"{TASKS}.note_callback")
     result = client_app.signature(f"{TASKS}.sleep_then_echo", ("out", 3.0)).apply_async(link=callback)
     first = wait_for(lambda: starts(history, result.id), 20, what="A to start")[0]
-    # When A is paused (SIGSTOP) past its ttl and the lease is recovered
-    a.signal(signal.SIGSTOP)
-    try:
-        b = start_worker("b", pool=pool)
-        wait_for(lambda: store.expired(), 10, what="A's lease to expire")
-        assert store.recover().recovered == 1
-        # Then worker B runs the recovered copy with a higher token
-        wait_for(lambda: len(starts(history, result.id)) == 2, 20, what="B to start the copy")
-        second = starts(history, result.id)[1]
-        assert int(second[3]["token"]) > int(first[3]["token"])
-    finally:
-        a.signal(signal.SIGCONT)
-    # When A resumes and finishes its body while B is still running
-    wait_for(lambda: [h for h in history() if h[0] == "end" and h[2] == first[2]], 15,
-             what="A to finish its body")
+    # When A is paused (SIGSTOP) past its ttl and the lease is recovered, worker B runs
+    # the recovered copy with a higher token, and A resumes and finishes its body
+    # while B is still running
+    b, second = stale_owner_race(a, lambda: start_worker("b", pool=pool), store, history,
+                                 result.id, first)
     # Then the waiter gets B's outcome, the record carries B's token,
     assert result.get(timeout=20) == "out"
     record = store.get(result.id)

@@ -8,13 +8,9 @@ import pytest
 from celery import chain, chord
 
 import celery_leases
-from tests.workers import wait_for
+from tests.workers import stale_owner_race, starts, wait_for
 
 TASKS = "tests.apps.leased_app"
-
-
-def starts(history, task_id):
-    return [h for h in history() if h[0] == "start" and h[1] == task_id]
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
@@ -46,22 +42,10 @@ def test_stale_owner_cannot_overwrite_the_new_owner(client_app, start_worker, hi
     callback = client_app.signature(f"{TASKS}.note_callback")
     result = client_app.signature(f"{TASKS}.sleep_then_echo", ("from-a", 4.0)).apply_async(link=callback)
     first = wait_for(lambda: starts(history, result.id), 10, what="A to start")[0]
-    # When A is paused past its ttl and the lease is recovered
-    a.signal(signal.SIGSTOP)
-    try:
-        wait_for(lambda: store.expired(), 5, what="A's lease to expire")
-        report = store.recover()
-        assert report.recovered == 1
-        # Then worker B runs the recovered copy with a higher token
-        b = start_worker("b")
-        wait_for(lambda: len(starts(history, result.id)) == 2, 15, what="B to start the task")
-        second = starts(history, result.id)[1]
-        assert int(second[3]["token"]) > int(first[3]["token"])
-    finally:
-        a.signal(signal.SIGCONT)
-    # When A resumes and finishes first (B still has ~4 s to go)
-    wait_for(lambda: [h for h in history() if h[0] == "end" and h[2] == first[2]], 10,
-             what="A to finish its body")
+    # When A is paused past its ttl and the lease is recovered, worker B runs the
+    # recovered copy with a higher token, and A resumes and finishes first (B still
+    # has ~4 s to go)
+    b, second = stale_owner_race(a, lambda: start_worker("b"), store, history, result.id, first)
     # Then a waiter on the original AsyncResult gets B's outcome
     assert result.get(timeout=15) == "from-a"
     record = store.get(result.id)

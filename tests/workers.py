@@ -100,3 +100,30 @@ class Worker:
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail with ``what`` after ``timeout``."""
     return _wait_for(predicate, timeout, what, interval=interval)
+
+
+def starts(history, task_id: str) -> list:
+    """The ``start`` events of ``task_id`` in a test's history (tests/conftest.py ``history``)."""
+    return [h for h in history() if h[0] == "start" and h[1] == task_id]
+
+
+def stale_owner_race(a: "Worker", start_b, store, history, task_id: str, first, timeout: float = 20):
+    """The seed's race: worker A, running ``task_id`` (its start event ``first``), is paused
+    (SIGSTOP) past its ttl; recovery re-publishes the task and worker B (``start_b()``)
+    runs the copy with a higher token; A is resumed and finishes its body.
+
+    Returns (B, B's start event); the caller checks whose outcome stands.
+    """
+    a.signal(signal.SIGSTOP)
+    try:
+        b = start_b()
+        _wait_for(lambda: store.expired(), 10, what="A's lease to expire")
+        assert store.recover().recovered == 1
+        _wait_for(lambda: len(starts(history, task_id)) == 2, timeout, what="B to start the copy")
+        second = starts(history, task_id)[1]
+        assert int(second[3]["token"]) > int(first[3]["token"])
+    finally:
+        a.signal(signal.SIGCONT)
+    _wait_for(lambda: [h for h in history() if h[0] == "end" and h[2] == first[2]], 15,
+              what="A to finish its body")
+    return b, second
