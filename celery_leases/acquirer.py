@@ -29,6 +29,7 @@ from typing import Any, Callable
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from .direct import close_connection, open_connection, supported
 from .exceptions import LeaseError
 from .resp import Incomplete, pack, parse
 from .scripts import scripts
@@ -70,8 +71,7 @@ class Acquirer:
     @classmethod
     def supported(cls, store: Any) -> bool:
         """One server behind a connection pool (plain, TLS, unix socket, Sentinel); not a cluster."""
-        return getattr(store.client, "connection_pool", None) is not None and \
-            not hasattr(store.client, "get_node_from_key")
+        return supported(store.client)
 
     @property
     def pending(self) -> int:
@@ -105,18 +105,9 @@ class Acquirer:
 
     def _connection(self) -> Any:
         if self._conn is None:
-            pool = self.store.client.connection_pool
-            try:
-                conn = pool.get_connection()
-            except TypeError:  # redis-py before 5.3 wants a command name
-                conn = pool.get_connection("EVALSHA")
-            try:
-                conn.connect()
-            except Exception:
-                pool.release(conn)
-                raise
             # redis-py connects (TLS, AUTH, SELECT, Sentinel's master); from
             # then on this socket is read and written here only.
+            conn = open_connection(self.store.client)
             self._conn, self._sock = conn, conn._sock
             self._fd = self._sock.fileno()
             self._buffer.clear()
@@ -225,8 +216,7 @@ class Acquirer:
                 pass
         if conn is not None:
             # Back to the pool, closed: the replies it still owed are gone with it.
-            conn.disconnect()
-            self.store.client.connection_pool.release(conn)
+            close_connection(self.store.client, conn)
 
     def stop(self) -> None:
         self.flush()

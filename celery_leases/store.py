@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis
-from redis.exceptions import ClusterError, NoScriptError, ResponseError, SlotNotCoveredError
+from redis.exceptions import ClusterError, NoScriptError, ReadOnlyError, ResponseError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .codes import OUTCOMES, TERMINAL_STATES, Code
 from .connection import connect, describe
+from .direct import BUSY, DirectCaller
+from .direct import supported as direct_supported
 from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
 from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
@@ -142,7 +144,9 @@ def _ms(seconds: float) -> int:
 
 
 #: Errors of a Redis Cluster that mean "not reachable now" (a failover in progress).
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError)
+#: Errors after which a call may succeed later; READONLY is a master demoted by a failover.
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError,
+                ReadOnlyError)
 
 
 class LeaseStore:
@@ -175,6 +179,8 @@ class LeaseStore:
         self.recover_batch = recover_batch
         self.publish, self.on_dead = publish, on_dead
         self.description = description or describe(client)
+        #: Single-script calls skip redis-py's per-call work where that is safe (direct.py).
+        self._direct = DirectCaller(client) if direct_supported(client) else None
 
     @classmethod
     def from_url(cls, url: str, *, transport_options: Mapping[str, Any] | None = None,
@@ -188,6 +194,14 @@ class LeaseStore:
     def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any], what: str) -> Any:
         """Run a script, turning Redis errors into LeaseErrors that name what failed."""
         try:
+            direct = self._direct
+            if direct is not None:
+                try:
+                    reply = direct.call(script.sha, keys, args)
+                except NoScriptError:
+                    reply = BUSY  # redis-py sends the source, which loads it again
+                if reply is not BUSY:
+                    return reply
             return script(self.client, keys, args)
         except Exception as exc:
             error = self.script_error(script, exc, what)
