@@ -4,8 +4,11 @@ Every message a worker receives passes through its main thread, one at a
 time; a blocking acquire there adds a Redis round trip to each. With an event
 loop, the acquire is sent on a connection of its own and the loop goes on; the
 reply is read when the loop sees the socket readable, several at once when
-several acquires went out meanwhile. The task is not handed to its pool until
-its reply is in (``LeasedRequest`` defers it), so no body runs without a lease.
+several acquires went out together: acquires wait for company while that
+delays nothing (an earlier reply is still to come, or the prefork pool has a
+task ready to start per process), for a few milliseconds at most. The task
+is not handed to its pool until its reply is in (``LeasedRequest`` defers
+it), so no body runs without a lease.
 
 redis-py opens the connection (TLS, AUTH, SELECT, Sentinel's current
 master); the commands and replies then go over its socket directly
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import select
+from time import monotonic
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -53,8 +57,14 @@ class Job:
 class Acquirer:
     """Pipelined acquires on one dedicated connection, read back by the event loop."""
 
-    def __init__(self, store: Any, hub: Any) -> None:
+    def __init__(self, store: Any, hub: Any, busy: Callable[[], bool] | None = None,
+                 max_hold: float = 0.005) -> None:
         self.store, self.hub = store, hub
+        #: True while the pool has enough tasks ready to start: new acquires may
+        #: then wait (up to max_hold seconds) and go out together.
+        self.busy, self.max_hold = busy, max_hold
+        self._held_since = 0.0
+        self._timer: Any = None
         self._conn: Any = None
         self._sock: Any = None
         self._fd: int | None = None
@@ -77,22 +87,51 @@ class Acquirer:
     def pending(self) -> int:
         return len(self._inflight)
 
+    def requests(self) -> list:
+        """The requests whose acquire is held or awaits its reply."""
+        return [job.request for job in self._inflight]
+
     def submit(self, job: Job) -> None:
         """Send the acquire; ``job.done`` runs when its reply is read.
 
-        Sent at once when no earlier acquire awaits its reply; otherwise held
-        and sent, with whatever else arrived meanwhile, in one write when the
-        replies are in (as Nagle's algorithm does for TCP). An idle worker
-        waits no longer than before; a busy one makes fewer system calls.
+        Sent at once unless sending later delays nothing: while an earlier
+        acquire awaits its reply (as Nagle's algorithm does for TCP), or,
+        for at most ``max_hold`` seconds, while ``busy()`` says the pool has
+        enough tasks ready to start. What is held goes out in one write. An
+        idle worker waits no longer than before; a busy one makes fewer
+        system calls (one write and one read for several acquires).
         """
         keys, args = self.store.acquire_args(**job.call)
         self._inflight.append(job)
+        if not self._held:
+            self._held_since = monotonic()
         self._held.append(pack("EVALSHA", scripts.acquire.sha, len(keys), *keys, *args))
-        if not self._unanswered:
-            self._send_held()
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        """Send what is held, unless a reply is still to come or the pool can wait."""
+        if not self._held or self._unanswered:
+            return
+        if self.busy is not None and self.busy() and monotonic() - self._held_since < self.max_hold:
+            if self._timer is None:
+                self._timer = self.hub.call_later(self.max_hold, self._on_timer)
+            return
+        self._send_held()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._maybe_send()
+
+    def tick(self) -> None:
+        """Every loop iteration: a task may have started and the pool need more."""
+        if self._held and not self._unanswered:
+            self._maybe_send()
 
     def _send_held(self) -> None:
         commands, self._held = self._held, []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         try:
             self._connection()
             self._sock.sendall(b"".join(commands))
@@ -147,8 +186,7 @@ class Acquirer:
                     break
         except Exception as exc:  # noqa: BLE001 - the connection is reset; waiting jobs fail over
             self._fail_all(exc)
-        if self._held and not self._unanswered:
-            self._send_held()
+        self._maybe_send()
 
     def _deliver(self, job: Job, reply: Any) -> None:
         if isinstance(reply, NoScriptError):
@@ -178,6 +216,9 @@ class Acquirer:
     def _fail_all(self, exc: Exception) -> None:
         """The connection broke: drop it; every job waiting on it gets the error."""
         self._close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         error = self.store.script_error(scripts.acquire, exc, "acquire connection")
         if not isinstance(error, LeaseError):
             error = LeaseError(f"acquire failed on {self.store.description}: {exc!r}")

@@ -133,11 +133,5 @@ class DirectCaller:
         if conn is not None:
             close_connection(self.client, conn)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                self._drop()
-            self._conn = None
-
 
 __all__ = ["DirectCaller", "BUSY", "open_connection", "close_connection", "supported"]

@@ -23,6 +23,7 @@ from typing import Any
 from celery import bootsteps
 from celery.exceptions import TaskRevokedError
 from celery.signals import task_received, worker_shutdown
+from celery.worker.state import active_requests, reserved_requests
 
 from .acquirer import Acquirer, Job
 from .checks import run_checks
@@ -60,7 +61,7 @@ class LeaseWorker:
     """The leases of one worker process: acquire, heartbeat, release, fallback recovery."""
 
     def __init__(self, app: Any, config: LeaseConfig, pool: Any = None, hostname: str | None = None,
-                 hub: Any = None, quick_release: Any = None) -> None:
+                 hub: Any = None, quick_release: Any = None, prefork: bool = False) -> None:
         self.app, self.config, self.pool = app, config, pool
         #: Celery's semaphore release, for a deferred request found revoked (as _process_task does).
         self.quick_release = quick_release
@@ -69,8 +70,10 @@ class LeaseWorker:
         self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.store = get_store(app)
         #: With an event loop, acquires are sent without waiting for the reply (acquirer.py).
-        self.acquirer = Acquirer(self.store, hub) if hub is not None and Acquirer.supported(self.store) \
-            else None
+        self.acquirer = Acquirer(self.store, hub, busy=self._pool_busy if prefork else None) \
+            if hub is not None and Acquirer.supported(self.store) else None
+        if self.acquirer is not None:
+            hub.on_tick.add(self.acquirer.tick)
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
                                    sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
@@ -116,6 +119,17 @@ class LeaseWorker:
         self.heartbeat.stop()
 
     # -- acquire at receipt -------------------------------------------------
+
+    def _pool_busy(self) -> bool:
+        """True while at least one task per pool process is ready to start: an acquire
+        sent a little later then delays nothing. Ready: reserved by Celery, not
+        started, not waiting for its own acquire (prefork: all in the loop thread).
+        Celery reserves a request just after ``task_received``, so the one being
+        acquired may not be counted yet."""
+        assert self.acquirer is not None
+        unleased = sum(1 for request in self.acquirer.requests() if request in reserved_requests)
+        ready = len(reserved_requests) - len(active_requests) - unleased
+        return ready >= (getattr(self.pool, "num_processes", 0) or 1)
 
     def task_config(self, task: Any) -> LeaseConfig:
         config = self._task_configs.get(task.name)
@@ -410,7 +424,8 @@ class LeaseStep(bootsteps.StartStopStep):
         if type(w.pool).__module__ not in ("celery.concurrency.prefork", "celery.concurrency.thread"):
             hub = None
         self.lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
-                                        quick_release=getattr(w, "_quick_release", None))
+                                        quick_release=getattr(w, "_quick_release", None),
+                                        prefork=type(w.pool).__module__ == "celery.concurrency.prefork")
         set_worker(w.app, self.lease_worker)
         return self
 

@@ -7,6 +7,7 @@ it turns readable, which is what these tests do.
 from __future__ import annotations
 
 import select
+import time
 import uuid
 from typing import Any
 
@@ -32,12 +33,33 @@ class Hub:
 
     def __init__(self) -> None:
         self.readers: dict[int, Any] = {}
+        self.timers: list[Timer] = []
+        self.on_tick: set = set()
 
     def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
         self.readers[fd] = (callback, args)
 
     def remove_reader(self, fd: int) -> None:
         self.readers.pop(fd, None)
+
+    def call_later(self, delay: float, callback: Any, *args: Any) -> "Timer":
+        timer = Timer(delay, callback)
+        self.timers.append(timer)
+        return timer
+
+
+class Timer:
+    """A timer entry of the stand-in hub: fired by the test, cancellable like kombu's."""
+
+    def __init__(self, delay: float, callback: Any) -> None:
+        self.delay, self.callback, self.cancelled = delay, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def fire(self) -> None:
+        if not self.cancelled:
+            self.callback()
 
 
 def wait_readable(hub: Hub, timeout: float = 5.0) -> None:
@@ -84,6 +106,45 @@ def test_replies_come_back_in_order_and_later_acquires_go_out_together(store):
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     assert [store.get(t).token for t in ids] == tokens
     assert acquirer.pending == 0
+
+
+def test_while_the_pool_is_busy_acquires_wait_and_go_out_in_one_write(store):
+    # Given an acquirer told the pool has enough tasks ready to start
+    hub, results, busy = Hub(), [], [True]
+    acquirer = Acquirer(store, hub, busy=lambda: busy[0], max_hold=60)
+    ids = [f"h{i}-{uuid.uuid4()}" for i in range(4)]
+    # When acquires arrive meanwhile
+    for task_id in ids[:3]:
+        acquirer.submit(job(results, task_id))
+    acquirer.tick()
+    # Then none is sent yet, and a timer bounds the wait
+    assert (acquirer.sent, acquirer.writes, acquirer.pending) == (0, 0, 3)
+    assert [t.delay for t in hub.timers] == [60]
+    # When the pool needs work again (a task started), the next loop iteration sends them all at once
+    busy[0] = False
+    acquirer.tick()
+    assert (acquirer.sent, acquirer.writes) == (3, 1)
+    assert hub.timers[0].cancelled
+    while len(results) < 3:
+        wait_readable(hub)
+    assert [task_id for task_id, _ in results] == ids[:3]
+    assert all(result.owned for _, result in results)
+    # And with the pool busy again, the timer alone sends a held acquire when the wait is up
+    busy[0] = True
+    acquirer.max_hold = 0.05
+    acquirer.submit(job(results, ids[3]))
+    assert acquirer.sent == 3
+    time.sleep(0.06)
+    hub.timers[-1].fire()
+    assert (acquirer.sent, acquirer.writes) == (4, 2)
+    wait_readable(hub)
+    assert results[-1][0] == ids[3] and results[-1][1].owned
+    # And when the pool is not busy, an acquire goes out at once (an idle worker never waits)
+    busy[0] = False
+    acquirer.submit(job(results, last := f"idle-{uuid.uuid4()}"))
+    assert (acquirer.sent, acquirer.writes) == (5, 3)
+    wait_readable(hub)
+    assert results[-1][0] == last and results[-1][1].owned
 
 
 def test_an_error_reply_fails_only_its_own_job(store):

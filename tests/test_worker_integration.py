@@ -229,3 +229,28 @@ def test_on_lost_terminate_kills_a_stuck_task(client_app, start_worker, history)
     wait_for(lambda: "terminating pool process" in worker.log(), 15, what="the termination")
     time.sleep(1.0)
     assert [h for h in history() if h[0] == "end"] == []
+
+
+def test_prefetched_messages_are_leased_at_once_while_the_pool_is_busy(client_app, start_worker, history):
+    # Given a prefork worker with one process that prefetches four messages, busy with a long task
+    start_worker("a", pool="prefork", concurrency=1, LEASES_TEST_PREFETCH="4")
+    store = celery_leases.store(client_app)
+    first = client_app.signature(f"{TASKS}.sleep_then_echo", ("first", 3.0)).delay()
+    wait_for(lambda: starts(history, first.id), 10, what="the first task to start")
+    # When three more arrive, which it prefetches while the pool has no free process
+    # (acquires may then wait a few ms to go out together, never until the pool frees)
+    sent = time.monotonic()
+    waiting = [client_app.signature(f"{TASKS}.sleep_then_echo", (f"w{i}",)).delay() for i in range(3)]
+
+    def leased() -> bool:
+        records = [store.get(r.id) for r in waiting]
+        return all(r is not None and r.state == "active" for r in records)
+
+    wait_for(leased, 1.5, what="the prefetched tasks to hold leases")
+    # Then all three hold leases well before the first task ends, none of them started yet
+    assert time.monotonic() - sent < 1.5
+    assert all(not starts(history, r.id) for r in waiting)
+    # And they all run in turn, once each
+    assert first.get(timeout=15) == "first"
+    assert [r.get(timeout=15) for r in waiting] == ["w0", "w1", "w2"]
+    assert all(len(starts(history, r.id)) == 1 for r in waiting)
