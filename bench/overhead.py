@@ -25,6 +25,13 @@ What is measured:
   after it sent all N, on the same CPUs, and when the worker is the faster one
   that drain, not the worker, sets the figure. The heartbeat interval of this
   worker is long (200 s), so no renewal falls into a round.
+- **A backlog drained by the worker alone.** The same worker is stopped
+  (SIGSTOP), N tasks of one kind are queued, and it is released (SIGCONT);
+  the rate is N over the time from the release to the last ``date_done``,
+  and the CPU per task is that of the worker and redis-server over the
+  drain (not a target of the issue; no sender competes for the CPUs here,
+  so the worker's main process, through which every message passes, is
+  what limits it, and the ratio is lower than the throughput ratio above).
 - **Redis commands per task.** Deltas of ``INFO commandstats`` around each
   round, divided by N: every command the server ran, from every client (the
   benchmark's sends and result waits, the worker, its pool processes).
@@ -86,8 +93,8 @@ from celery_leases import Code, LeaseStore  # noqa: E402
 from tests.workers import Worker  # noqa: E402
 
 #: Sizes of a full run and of a ``--quick`` smoke run.
-FULL = {"n": 2_000, "rounds": 3, "warmup": 200, "ticks": 3, "calibrate": 200}
-QUICK = {"n": 200, "rounds": 1, "warmup": 50, "ticks": 2, "calibrate": 20}
+FULL = {"n": 2_000, "rounds": 3, "warmup": 200, "ticks": 3, "calibrate": 200, "backlog_rounds": 3}
+QUICK = {"n": 200, "rounds": 1, "warmup": 50, "ticks": 2, "calibrate": 20, "backlog_rounds": 1}
 
 #: Targets from the issue.
 RATIO_TARGET = 0.90
@@ -282,6 +289,52 @@ def bench_throughput(app: celery.Celery, client: redis.Redis, n: int, rounds: in
     return out
 
 
+def bench_backlog(app: celery.Celery, client: redis.Redis, worker: "BenchWorker", n: int, rounds: int,
+                  meter: CpuMeter) -> dict:
+    """A worker draining a backlog alone: n tasks queued while it is stopped, then released.
+
+    No sender competes for the CPUs here, so what limits the worker is its
+    own main process, through which every message passes one at a time.
+    """
+    kinds = {"plain": "bench.noop", "leased": "bench.leased_noop"}
+    timeout = max(60.0, n / 20)
+    out: dict[str, Any] = {kind: {"rounds": [], "cpu": {}} for kind in kinds}
+    for _ in range(rounds):
+        for kind, name in kinds.items():
+            worker.signal(signal.SIGSTOP)
+            try:
+                results = [app.tasks[name].apply_async() for _ in range(n)]
+                time.sleep(0.2)
+                cpu_before = meter.read()
+                released = time.time()
+            finally:
+                worker.signal(signal.SIGCONT)
+            ids = [r.id for r in results]
+            last = app.backend.get_key_for_task(ids[-1])
+            wait_until(lambda: client.exists(last), timeout, f"the backlog of {n} {kind} tasks")
+            # Tasks end out of order across two processes: wait for every result key.
+            for i in range(0, n, 1000):
+                keys = [app.backend.get_key_for_task(t) for t in ids[i:i + 1000]]
+                wait_until(lambda keys=keys: client.exists(*keys) == len(keys), timeout, "all results")
+            cpu = CpuMeter.delta(cpu_before, meter.read())
+            done = last_done(app, client, ids) - released
+            wait_all(results, timeout)  # reads the result messages, outside the measurement
+            delete_keys(client, [app.backend.get_key_for_task(i) for i in ids])
+            cpu.pop(MACHINE, None)
+            cpu.pop("sender (this process)", None)
+            for group, seconds in cpu.items():
+                out[kind]["cpu"][group] = out[kind]["cpu"].get(group, 0.0) + seconds
+            out[kind]["rounds"].append({"done_seconds": done, "per_s": n / done})
+            print(f"  backlog {kind:<6}: {n / done:,.0f} tasks/s", flush=True)
+    for kind in kinds:
+        k = out[kind]
+        k["median_per_s"] = statistics.median(x["per_s"] for x in k["rounds"])
+        k["cpu_us_per_task"] = {g: sec / (n * rounds) * 1e6 for g, sec in k.pop("cpu").items()}
+    out["ratio"] = out["leased"]["median_per_s"] / out["plain"]["median_per_s"]
+    out["n"], out["rounds_each"] = n, rounds
+    return out
+
+
 def calibrate_scripts(client: redis.Redis, prefix: str, pairs: int) -> dict:
     """Commands run inside Redis by one acquire + finish pair, the path of every leased no-op
     (the finish storing the result record too, as the worker's finish does for a no-op)."""
@@ -441,6 +494,13 @@ def table(results: dict, targets: dict[str, dict]) -> str:
             rows.append(("  other processes on the machine meanwhile",
                          f"{t['plain']['other_cpu_us_per_task']:,.0f}",
                          f"{t['leased']['other_cpu_us_per_task']:,.0f}", "not in the total", "", ""))
+    b = results["backlog"]
+    rows.append((f"backlog drained by the worker alone, tasks/s (median of {len(b['plain']['rounds'])} "
+                  f"x {b['n']:,})", f"{b['plain']['median_per_s']:,.0f}", f"{b['leased']['median_per_s']:,.0f}",
+                  f"ratio {b['ratio']:.2f}", "", ""))
+    for group in b["plain"]["cpu_us_per_task"]:
+        bp, bl = b["plain"]["cpu_us_per_task"][group], b["leased"]["cpu_us_per_task"][group]
+        rows.append((f"  CPU per task, {group}, µs", f"{bp:,.0f}", f"{bl:,.0f}", f"{bl - bp:+,.0f} µs", "", ""))
     for row in results["heartbeat"]:
         rows.append((f"heartbeat, {row['leases']} held lease(s): renew calls / ticks", "",
                      f"{row['calls']} / {row['ticks']}",
@@ -516,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         meter = CpuMeter(worker.pid, server.process.pid if server and server.process else None)
         results["throughput"] = bench_throughput(app, client, sizes["n"], sizes["rounds"],
                                                  sizes["warmup"], meter)
+        print(f"backlog: {sizes['backlog_rounds']} round(s) of {sizes['n']:,} tasks each kind, "
+              f"queued while the worker is stopped", flush=True)
+        results["backlog"] = bench_backlog(app, client, worker, sizes["n"], sizes["backlog_rounds"], meter)
         worker.stop()
         calibration = calibrate_scripts(client, f"{prefix}-cal", sizes["calibrate"])
         results["calibration"] = calibration

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from celery_leases import Code, LeaseStore
+from celery_leases.direct import DirectCaller
 from celery_leases.fencing import fenced_set
 from celery_leases import scripts as scripts_module
 from celery_leases.scripts import SCRIPT_NAMES, Script, source
@@ -179,13 +180,19 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
         redis_server_url, key_prefix, monkeypatch):
     # Given every call the store makes to a script is recorded
     calls: list[tuple[str, int, int]] = []
-    real_call = Script.__call__
+    real_call, real_direct = Script.__call__, DirectCaller.call
+    names = {getattr(scripts_module.scripts, name).sha: name for name in SCRIPT_NAMES}
 
     def spy(self, client, keys, args):
         calls.append((self.name, len(keys), len(args)))
         return real_call(self, client, keys, args)
 
+    def spy_direct(self, sha, keys, args):
+        calls.append((names[sha], len(keys), len(args)))
+        return real_direct(self, sha, keys, args)
+
     monkeypatch.setattr(Script, "__call__", spy)
+    monkeypatch.setattr(DirectCaller, "call", spy_direct)
     store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=0.05)
 
     # When the store runs every transition
