@@ -127,9 +127,15 @@ class LeaseWorker:
         Celery reserves a request just after ``task_received``, so the one being
         acquired may not be counted yet."""
         assert self.acquirer is not None
+        slots = getattr(self.pool, "num_processes", 0) or 1
+        waiting = len(reserved_requests) - len(active_requests)
+        # Most calls are settled by the bounds alone (0 <= unleased <= pending).
+        if waiting < slots:
+            return False
+        if waiting - self.acquirer.pending >= slots:
+            return True
         unleased = sum(1 for request in self.acquirer.requests() if request in reserved_requests)
-        ready = len(reserved_requests) - len(active_requests) - unleased
-        return ready >= (getattr(self.pool, "num_processes", 0) or 1)
+        return waiting - unleased >= slots
 
     def task_config(self, task: Any) -> LeaseConfig:
         config = self._task_configs.get(task.name)
