@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 import select
-from time import monotonic
 from collections import deque
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -124,8 +124,7 @@ class Acquirer:
 
     def tick(self) -> None:
         """Every loop iteration: a task may have started and the pool need more."""
-        if self._held and not self._unanswered:
-            self._maybe_send()
+        self._maybe_send()
 
     def _send_held(self) -> None:
         commands, self._held = self._held, []

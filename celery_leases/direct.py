@@ -88,14 +88,17 @@ class DirectCaller:
         try:
             command = pack("EVALSHA", sha, len(keys), *keys, *args)
             self.calls += 1
-            reused = self._conn is not None and self._pid == os.getpid()
+            pid = os.getpid()
+            if self._pid != pid:
+                self._conn = None  # the parent's socket: never read or write it here
+            reused = self._conn is not None
             try:
-                reply = self._round_trip(command)
+                reply = self._round_trip(command, pid)
             except (RedisConnectionError, ConnectionError):
                 # Not a timeout: a script that may have run is not sent twice.
                 if not reused:
                     raise
-                reply = self._round_trip(command)  # the held connection had gone stale
+                reply = self._round_trip(command, pid)  # the held connection had gone stale
             if isinstance(reply, ReadOnlyError):
                 self._drop()  # a reconnect may reach the new master
             if isinstance(reply, Exception):
@@ -104,12 +107,10 @@ class DirectCaller:
         finally:
             self._lock.release()
 
-    def _round_trip(self, command: bytes) -> Any:
-        if self._pid != os.getpid():
-            self._conn = None  # the parent's socket: never read or write it here
+    def _round_trip(self, command: bytes, pid: int) -> Any:
         if self._conn is None:
             self._conn = open_connection(self.client)
-            self._pid = os.getpid()
+            self._pid = pid
         sock = self._conn._sock
         try:
             sock.sendall(command)

@@ -143,8 +143,8 @@ def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
 
-#: Errors of a Redis Cluster that mean "not reachable now" (a failover in progress).
-#: Errors after which a call may succeed later; READONLY is a master demoted by a failover.
+#: Errors after which a call may succeed later: the server unreachable, a cluster's
+#: failover in progress, READONLY from a master demoted by a failover.
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError,
                 ReadOnlyError)
 
@@ -199,7 +199,8 @@ class LeaseStore:
                 try:
                     reply = direct.call(script.sha, keys, args)
                 except NoScriptError:
-                    reply = BUSY  # redis-py sends the source, which loads it again
+                    # The server lost its scripts: the source, sent once, loads it again.
+                    return self.client.eval(script.source, len(keys), *keys, *args)
                 if reply is not BUSY:
                     return reply
             return script(self.client, keys, args)
