@@ -36,10 +36,13 @@ FILES = ("t/integration/test_tasks.py", "t/integration/test_canvas.py")
 #: Plugins the suite's tests need (markers, ordering); installed on first use.
 NEEDS = ("pytest-rerunfailures", "pytest-timeout", "pytest-order", "pytest-subtests", "pydantic")
 #: The quick sample: retries, chains, groups and chords (a few minutes).
-SAMPLE = ("test_retry or test_task_retried_once or test_retry_switches or test_replace_chain_with_empty"
-          " or test_simple_chain or test_chain_on_error or test_group_results_in_chain"
-          " or test_simple_chord or test_empty_header_chord or test_parent_ids"
-          " or test_retry_preserves_ignore_result or test_task_retried_priority")
+SAMPLE = " or ".join((
+    "test_retry", "test_task_retried", "test_replace_chain_with_empty_chain",  # retries, replace
+    "test_simple_chain", "test_chain_on_error", "test_group_results_in_chain",  # chains
+    "test_callback_called_by_group", "test_nested_group", "test_group_lone",  # groups
+    "test_add_to_chord", "test_empty_header_chord", "test_chord_on_error",  # chords
+    "test_error_propagates_to_chord_from_simple",
+))
 
 
 def sdist(celery_version: str) -> Path:
