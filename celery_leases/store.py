@@ -5,6 +5,7 @@ envelopes to keep for recovery, and a ``publish`` callable to put them back.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -24,7 +25,7 @@ from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
 from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
 
-__all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport"]
+__all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport", "Parked"]
 
 logger = logging.getLogger("celery_leases.store")
 
@@ -139,6 +140,46 @@ class RecoveryReport:
                 "publish_failed": self.publish_failed}
 
 
+@dataclass(frozen=True)
+class Parked:
+    """A delivery parked instead of run (``LeaseStore.park``), kept for an operator."""
+
+    task_id: str
+    reason: str
+    #: Server-clock ms of the (last) parking.
+    parked_at: int
+    name: str = ""
+    #: The key and field that were corrupt ('' when the cause was not a key).
+    key: str = ""
+    field: str = ""
+    #: Times this task id was parked (a replayed delivery that is parked again counts on).
+    count: int = 1
+    #: The message: empty in ``parked()`` listings (see body_size), filled by ``unpark``.
+    body: bytes = b""
+    envelope: dict = dataclasses.field(default_factory=dict)
+    body_size: int = 0
+
+    @classmethod
+    def parse(cls, task_id: str, meta: bytes, body: bytes = b"") -> "Parked":
+        try:
+            data = json.loads(meta.decode("utf-8", "surrogateescape"))
+            envelope = json.loads(data.get("envelope") or "{}")
+        except ValueError as exc:
+            raise CorruptRecord(f"parked entry of task {task_id} is not JSON: {exc}") from None
+        return cls(task_id=task_id, reason=str(data.get("reason", "")),
+                   parked_at=int(data.get("parked_at") or 0), name=str(data.get("name", "")),
+                   key=str(data.get("key", "")), field=str(data.get("field", "")),
+                   count=int(data.get("count") or 1), body=body,
+                   envelope=envelope if isinstance(envelope, dict) else {},
+                   body_size=int(data.get("body_size") or len(body)))
+
+
+#: Parked entries are kept this long (seconds) and at most this many: an operator
+#: has a week to look, and a flood of bad deliveries cannot fill the server.
+PARKED_RETENTION = 7 * 86400.0
+PARKED_CAP = 10_000
+
+
 def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
@@ -166,7 +207,9 @@ class LeaseStore:
                  recover_batch: int = 500,
                  publish: Callable[[Claim], None] | None = None,
                  on_dead: Callable[[Claim], None] | None = None,
-                 description: str | None = None, shards: int = 1) -> None:
+                 description: str | None = None, shards: int = 1,
+                 parked_retention: float = PARKED_RETENTION, parked_cap: int = PARKED_CAP,
+                 on_corrupt: Callable[[Claim], None] | None = None) -> None:
         self.client = client
         self.keys = Keys(prefix, shards)
         self.shards = self.keys.shards
@@ -178,6 +221,9 @@ class LeaseStore:
         self.max_recoveries, self.publish_grace = max_recoveries, publish_grace
         self.recover_batch = recover_batch
         self.publish, self.on_dead = publish, on_dead
+        #: What a recovery pass does with a claim whose record is corrupt (park it).
+        self.on_corrupt = on_corrupt
+        self.parked_retention, self.parked_cap = parked_retention, parked_cap
         self.description = description or describe(client)
         #: Single-script calls skip redis-py's per-call work where that is safe (direct.py).
         self._direct = DirectCaller(client) if direct_supported(client) else None
@@ -554,6 +600,52 @@ class LeaseStore:
                 remaining -= len(ids)
         return report
 
+    # -- parking ------------------------------------------------------------
+
+    def park(self, task_id: str, reason: str, *, name: str = "", body: bytes = b"",
+             envelope: Mapping | None = None, key: str = "", field: str = "") -> None:
+        """Keep a delivery that must not run (see park.lua); the lease record is not touched.
+
+        ``key`` and ``field`` name what was corrupt, when the cause is a key.
+        """
+        keys = self.keys
+        reply = self._run(
+            scripts.park, (keys.parked, keys.parked_meta, keys.parked_body),
+            (task_id, reason, name, body, _compact_json(dict(envelope)) if envelope else "", key, field,
+             _ms(self.parked_retention), int(self.parked_cap)),
+            f"parking task {task_id}")
+        _raise_if_corrupt(reply, f"parking task {task_id}")
+        if int(reply[1]):
+            logger.warning("parking task %s dropped %d older parked deliveries of %s "
+                           "(kept: %d at most, for %ss)", task_id, int(reply[1]), keys.parked,
+                           self.parked_cap, self.parked_retention)
+
+    def parked(self, limit: int = 100) -> list[Parked]:
+        """Parked deliveries, oldest first (without their bodies: ``unpark`` returns those)."""
+        keys = self.keys
+
+        def read() -> list:
+            ids = self.client.zrange(keys.parked, 0, int(limit) - 1)
+            if not ids:
+                return []
+            return list(zip(ids, self.client.hmget(keys.parked_meta, ids)))
+
+        out = []
+        for task_id, meta in self._read(read, f"reading {keys.parked}"):
+            if meta is not None:  # dropped between the two reads
+                out.append(Parked.parse(task_id.decode("utf-8", "surrogateescape"), meta))
+        return out
+
+    def unpark(self, task_id: str) -> Parked | None:
+        """Remove ``task_id``'s parked delivery and return it with its body and envelope (None: none)."""
+        keys = self.keys
+        reply = self._run(scripts.unpark, (keys.parked, keys.parked_meta, keys.parked_body),
+                          (task_id,), f"unparking task {task_id}")
+        _raise_if_corrupt(reply, f"unparking task {task_id}")
+        if Code(reply[0]) is Code.MISSING:
+            return None
+        return Parked.parse(task_id, reply[1], reply[2])
+
     def try_recovery_turn(self, owner: str, interval: float) -> bool:
         """True for one caller per ``interval`` across all workers (the fallback recoverer's guard)."""
         return bool(self._read(
@@ -882,6 +974,14 @@ _compact_json = json.JSONEncoder(separators=(",", ":")).encode
 def acquisition_of(raw: Sequence[Any]) -> Acquisition:
     code, token, gen, recoveries, state = raw
     return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
+
+
+def _raise_if_corrupt(reply: Any, what: str) -> None:
+    """A script's CORRUPT answer {CORRUPT, key, field, detail} as CorruptRecord naming key and field."""
+    if isinstance(reply, list) and reply and reply[0] == Code.CORRUPT:
+        key, fld, detail = (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                            for v in reply[1:4])
+        raise CorruptRecord(f"{what}: {key} field {fld} {detail}; nothing was written", key, fld)
 
 
 def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> None:

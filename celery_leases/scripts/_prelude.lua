@@ -7,7 +7,12 @@
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
   history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
+  corrupt(key, field, detail)  the CORRUPT reply {CORRUPT, key, field, detail}
+  check_type(key, want)      nil when key is missing or of type want, else a CORRUPT reply
+                             (field "type"); checked before any write, since Redis does not
+                             roll back a script that fails half-way
 ]]
+local CORRUPT = 14
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -42,4 +47,16 @@ local function history_fields(key, count, entry)
   -- The last 16 owners, one small field each ("h:0".."h:15", ring by count),
   -- so the record keeps Redis's compact hash encoding.
   return 'h:' .. (count % 16), entry, 'hn', count + 1
+end
+
+local function corrupt(key, field, detail)
+  return {CORRUPT, key, field, detail}
+end
+
+local function check_type(key, want)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= want then
+    return corrupt(key, 'type', 'is a ' .. t .. ', not a ' .. want)
+  end
+  return nil
 end
