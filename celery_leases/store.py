@@ -636,6 +636,12 @@ class LeaseStore:
                 out.append(Parked.parse(task_id.decode("utf-8", "surrogateescape"), meta))
         return out
 
+    def parked_entry(self, task_id: str) -> Parked | None:
+        """``task_id``'s parked delivery without its body, or None (nothing is removed)."""
+        meta = self._read(lambda: self.client.hget(self.keys.parked_meta, task_id),
+                          f"reading {self.keys.parked_meta}")
+        return None if meta is None else Parked.parse(task_id, meta)
+
     def unpark(self, task_id: str) -> Parked | None:
         """Remove ``task_id``'s parked delivery and return it with its body and envelope (None: none)."""
         keys = self.keys
@@ -645,6 +651,25 @@ class LeaseStore:
         if Code(reply[0]) is Code.MISSING:
             return None
         return Parked.parse(task_id, reply[1], reply[2])
+
+    def reset_record(self, task_id: str) -> bool:
+        """Delete ``task_id``'s lease record, stored message and deadline entry (an operator's choice).
+
+        For a corrupt record that keeps a parked delivery from running again
+        (``celery leases replay --reset-record``): the next delivery starts a
+        fresh record. Nothing is read, so a corrupt record of any type goes.
+        True when there was a record.
+        """
+        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+
+        def delete() -> list:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.delete(self.keys.message(task_id))
+            pipe.zrem(shard.deadlines, task_id)
+            return pipe.execute()
+
+        return bool(self._read(delete, f"deleting {key} of task {task_id}")[0])
 
     def try_recovery_turn(self, owner: str, interval: float) -> bool:
         """True for one caller per ``interval`` across all workers (the fallback recoverer's guard)."""
