@@ -201,6 +201,8 @@ class Acquirer:
         else:
             try:
                 result = acquisition_of(reply)
+            except LeaseError as exc:  # CORRUPT: CorruptRecord names the key and field
+                result = exc
             except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
                 result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")
         self._call(job, result)

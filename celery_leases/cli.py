@@ -24,8 +24,8 @@ from celery.bin.base import CeleryCommand
 
 from .codes import ACTIVE, STATES, TERMINAL_STATES
 from .config import get_config
-from .exceptions import LeaseError, LeaseUnavailable
-from .store import LeaseRecord, LeaseStore
+from .exceptions import CorruptRecord, LeaseError, LeaseUnavailable
+from .store import LeaseRecord, LeaseStore, Parked
 
 logger = logging.getLogger("celery_leases.cli")
 
@@ -465,3 +465,93 @@ def purge(ctx: click.Context, older_than: float, yes: bool, as_json: bool) -> No
         _emit_json({"purged": purged})
     else:
         click.echo(f"purged {purged} finished lease record(s)")
+
+
+# -- parked deliveries ---------------------------------------------------------------
+
+
+def parked_json(entry: Parked, now_ms: int) -> dict:
+    return {"task_id": entry.task_id, "name": entry.name, "reason": entry.reason, "key": entry.key,
+            "field": entry.field, "parked_at_ms": entry.parked_at,
+            "parked_age_s": max(0, now_ms - entry.parked_at) / 1000.0, "count": entry.count,
+            "body_size": entry.body_size}
+
+
+@leases.command(cls=CeleryCommand)
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True,
+              help="List at most this many, oldest first.")
+@json_option
+@click.pass_context
+@_command
+def parked(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """List deliveries parked instead of run (a corrupt record, a malformed message), oldest first."""
+    store = _store(ctx)
+    entries = store.parked(limit)
+    now = store.server_time_ms()
+    if as_json:
+        _emit_json({"now_ms": now, "parked": [parked_json(e, now) for e in entries]})
+        return
+    if not entries:
+        click.echo("no parked deliveries")
+        return
+    click.echo(table(("TASK ID", "NAME", "PARKED", "TIMES", "KEY", "FIELD", "REASON"),
+                     ((e.task_id, e.name or "-", _ago(e.parked_at, now), e.count, e.key or "-",
+                       e.field or "-", e.reason) for e in entries)))
+    click.echo("\nreplay one with: celery leases replay TASK_ID (see docs/operations.md)")
+
+
+@leases.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.option("--reset-record", is_flag=True,
+              help="Delete the task's lease record first (a corrupt one, or a finished one whose "
+                   "task must run again); without it, replay refuses while the record is corrupt.")
+@json_option
+@click.pass_context
+@_command
+def replay(ctx: click.Context, task_id: str, reset_record: bool, as_json: bool) -> None:
+    """Re-publish a parked delivery under the same task id, with its original routing."""
+    from .recovery import publish_raw
+
+    store, app = _store(ctx), ctx.obj.app
+    if store.parked_entry(task_id) is None:
+        raise NotFound(f"no parked delivery for task {task_id} (prefix {_prefix(ctx)}): "
+                       f"see `celery leases parked`")
+    reset = False
+    if reset_record:
+        reset = store.reset_record(task_id)
+        record = None
+    else:
+        try:
+            record = store.get(task_id)
+        except CorruptRecord as exc:
+            raise LeaseError(f"task {task_id}: its lease record {store.keys.record(task_id)} is still "
+                             f"corrupt ({exc}); a replayed copy would be parked again. Fix the record, "
+                             f"or replay with --reset-record to delete it first") from None
+        if record is not None and record.state in TERMINAL_STATES:
+            raise LeaseError(f"task {task_id}: its lease record is {record.state}, so a replayed copy "
+                             f"would be refused as finished; replay with --reset-record to run it again")
+    entry = store.unpark(task_id)
+    if entry is None:
+        raise NotFound(f"no parked delivery for task {task_id}: replayed or dropped meanwhile")
+    if not entry.body or not entry.envelope:
+        store.park(task_id, entry.reason, name=entry.name, body=entry.body, envelope=entry.envelope,
+                   key=entry.key, field=entry.field)
+        raise LeaseError(f"task {task_id}: the parked delivery holds no message to re-publish "
+                         f"(reason: {entry.reason})")
+    headers = dict(entry.envelope.get("headers") or {})
+    if record is not None:
+        # The record waits for a copy of its own generation (a recovering record refuses older ones).
+        headers["lease_generation"] = record.generation
+    try:
+        # The parked delivery's DeliveryParked failure is forgotten: waiters wait for the replay.
+        app.backend.forget(task_id)
+        publish_raw(app, entry.body, entry.envelope, headers)
+    except Exception:
+        store.park(task_id, entry.reason, name=entry.name, body=entry.body, envelope=entry.envelope,
+                   key=entry.key, field=entry.field)
+        raise
+    if as_json:
+        _emit_json({"replayed": task_id, "name": entry.name, "record_reset": reset})
+    else:
+        click.echo(f"replayed {entry.name or '-'}[{task_id}] under the same id"
+                   + (" (its lease record was deleted first)" if reset else ""))

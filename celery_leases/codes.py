@@ -34,6 +34,10 @@ class Code(enum.IntEnum):
     STALE_FENCE = 12
     #: complete_step: the step was already recorded (by this or an earlier owner).
     STEP_DONE = 13
+    #: any script: a key or field it reads is not what the protocol wrote (a non-number,
+    #: an unknown state, a key of the wrong type); nothing was written. The reply names
+    #: the key and the field: {CORRUPT, key, field, detail}.
+    CORRUPT = 14
 
 
 #: Lease states, as stored in the record's ``state`` field.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = [
     "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable",
-    "CorruptRecord", "ConfigurationError", "StaleFence",
+    "CorruptRecord", "ConfigurationError", "StaleFence", "DeliveryParked",
 ]
 
 
@@ -43,7 +43,35 @@ class LeaseUnavailable(LeaseError):
 
 
 class CorruptRecord(LeaseError):
-    """Raised when a key holds something that is not a valid lease record."""
+    """Raised when a key holds something that is not a valid lease record.
+
+    ``key`` and ``field`` name what is corrupt when the script said so
+    (``field`` is ``type`` for a key of the wrong type).
+    """
+
+    def __init__(self, message: str = "", key: str = "", field: str = ""):
+        self.key, self.field = key, field
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (self.__class__, (str(self), self.key, self.field))
+
+
+class DeliveryParked(LeaseError):
+    """Stored as the failure of a delivery that was parked instead of run (see docs/recovery.md).
+
+    Raised for permanent errors (a corrupt record, a malformed message): the
+    message is kept for an operator (``celery leases parked`` / ``replay``).
+    """
+
+    def __init__(self, task_id: str = "?", reason: str = "", key: str = "", field: str = ""):
+        self.task_id, self.reason, self.key, self.field = task_id, reason, key, field
+        where = f" (key {key or '?'}, field {field or '?'})"
+        super().__init__(f"delivery of task {task_id} parked{where}: {reason}; "
+                         f"see `celery leases parked`, replay with `celery leases replay {task_id}`")
+
+    def __reduce__(self):
+        return (self.__class__, (self.task_id, self.reason, self.key, self.field))
 
 
 class ConfigurationError(LeaseError, ValueError):

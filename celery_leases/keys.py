@@ -134,6 +134,23 @@ class Keys:
         """String key holding the shard count a sharded store was last used with."""
         return f"{self.tag}:shards"
 
+    # -- parked deliveries (not sharded: parking is rare, one slot keeps it one script) --
+
+    @property
+    def parked(self) -> str:
+        """Sorted set: task id -> server-clock ms it was (last) parked; oldest first."""
+        return f"{self.tag}:parked"
+
+    @property
+    def parked_meta(self) -> str:
+        """Hash: task id -> JSON of a parked delivery (reason, key, field, name, envelope, ...)."""
+        return f"{self.tag}:parked:meta"
+
+    @property
+    def parked_body(self) -> str:
+        """Hash: task id -> message body bytes of a parked delivery."""
+        return f"{self.tag}:parked:body"
+
     def fence(self, resource: str) -> str:
         """Hash guarding one fenced resource (see celery_leases.fencing)."""
         return f"{self.tag}:fence:{resource}"

@@ -26,3 +26,7 @@ stale_outcome_rejected = Signal(name="stale_outcome_rejected",
 #: Sent in the worker's main process after each successful heartbeat tick:
 #: how many held leases were renewed and how many were not (lost or finished).
 leases_renewed = Signal(name="leases_renewed", providing_args={"owner", "renewed", "not_renewed"})
+#: Sent wherever a delivery was parked instead of run (celery_leases.parking): a
+#: corrupt record or a malformed message. ``sender`` is the task (or the app when
+#: the task is unknown); ``key`` and ``field`` name what was corrupt ('' when not a key).
+delivery_parked = Signal(name="delivery_parked", providing_args={"task_id", "reason", "key", "field"})

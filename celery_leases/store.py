@@ -5,6 +5,7 @@ envelopes to keep for recovery, and a ``publish`` callable to put them back.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -24,7 +25,7 @@ from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
 from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
 
-__all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport"]
+__all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport", "Parked"]
 
 logger = logging.getLogger("celery_leases.store")
 
@@ -125,18 +126,61 @@ class RecoveryReport:
     recovered: int = 0
     dead: int = 0
     publish_failed: int = 0
+    #: Claims whose record (or message hash) was corrupt: taken out of the index and parked.
+    corrupt: int = 0
     errors: list = field(default_factory=list)
 
     def __iadd__(self, other: "RecoveryReport") -> "RecoveryReport":
         self.recovered += other.recovered
         self.dead += other.dead
         self.publish_failed += other.publish_failed
+        self.corrupt += other.corrupt
         self.errors.extend(other.errors)
         return self
 
     def as_dict(self) -> dict:
         return {"recovered": self.recovered, "dead": self.dead,
-                "publish_failed": self.publish_failed}
+                "publish_failed": self.publish_failed, "corrupt": self.corrupt}
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A delivery parked instead of run (``LeaseStore.park``), kept for an operator."""
+
+    task_id: str
+    reason: str
+    #: Server-clock ms of the (last) parking.
+    parked_at: int
+    name: str = ""
+    #: The key and field that were corrupt ('' when the cause was not a key).
+    key: str = ""
+    field: str = ""
+    #: Times this task id was parked (a replayed delivery that is parked again counts on).
+    count: int = 1
+    #: The message: empty in ``parked()`` listings (see body_size), filled by ``unpark``.
+    body: bytes = b""
+    envelope: dict = dataclasses.field(default_factory=dict)
+    body_size: int = 0
+
+    @classmethod
+    def parse(cls, task_id: str, meta: bytes, body: bytes = b"") -> "Parked":
+        try:
+            data = json.loads(meta.decode("utf-8", "surrogateescape"))
+            envelope = json.loads(data.get("envelope") or "{}")
+        except ValueError as exc:
+            raise CorruptRecord(f"parked entry of task {task_id} is not JSON: {exc}") from None
+        return cls(task_id=task_id, reason=str(data.get("reason", "")),
+                   parked_at=int(data.get("parked_at") or 0), name=str(data.get("name", "")),
+                   key=str(data.get("key", "")), field=str(data.get("field", "")),
+                   count=int(data.get("count") or 1), body=body,
+                   envelope=envelope if isinstance(envelope, dict) else {},
+                   body_size=int(data.get("body_size") or len(body)))
+
+
+#: Parked entries are kept this long (seconds) and at most this many: an operator
+#: has a week to look, and a flood of bad deliveries cannot fill the server.
+PARKED_RETENTION = 7 * 86400.0
+PARKED_CAP = 10_000
 
 
 def _ms(seconds: float) -> int:
@@ -166,7 +210,9 @@ class LeaseStore:
                  recover_batch: int = 500,
                  publish: Callable[[Claim], None] | None = None,
                  on_dead: Callable[[Claim], None] | None = None,
-                 description: str | None = None, shards: int = 1) -> None:
+                 description: str | None = None, shards: int = 1,
+                 parked_retention: float = PARKED_RETENTION, parked_cap: int = PARKED_CAP,
+                 on_corrupt: Callable[[Claim], None] | None = None) -> None:
         self.client = client
         self.keys = Keys(prefix, shards)
         self.shards = self.keys.shards
@@ -178,6 +224,9 @@ class LeaseStore:
         self.max_recoveries, self.publish_grace = max_recoveries, publish_grace
         self.recover_batch = recover_batch
         self.publish, self.on_dead = publish, on_dead
+        #: What a recovery pass does with a claim whose record is corrupt (park it).
+        self.on_corrupt = on_corrupt
+        self.parked_retention, self.parked_cap = parked_retention, parked_cap
         self.description = description or describe(client)
         #: Single-script calls skip redis-py's per-call work where that is safe (direct.py).
         self._direct = DirectCaller(client) if direct_supported(client) else None
@@ -386,7 +435,9 @@ class LeaseStore:
                 raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
             keys.append(write[0])
             args.extend((write[1], int(write[2] or 0)))
-        code, current, state = self._run(scripts.finish, keys, args, f"task {task_id}, key {key}")
+        reply = self._run(scripts.finish, keys, args, f"task {task_id}, key {key}")
+        _raise_if_corrupt(reply, f"finish of task {task_id}")
+        code, current, state = reply
         _raise_unless_ok(Code(code), task_id, token, state.decode())
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
@@ -415,9 +466,27 @@ class LeaseStore:
                 start = shard.record_prefix()
                 calls.append(([shard.deadlines, shard.stats, *(start + t for t in task_ids)],
                               [owner, ttl_ms, progress, len(start), *(leases[t] for t in task_ids)]))
-            out = {}
-            for flat in self._run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}"):
-                out.update({flat[i].decode(): Code(flat[i + 1]) for i in range(0, len(flat), 2)})
+            out: dict[str, Code] = {}
+            results = self._run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}")
+            for task_ids, flat in zip(groups.values(), results):
+                if flat and flat[0] == Code.CORRUPT:
+                    # The shard's deadline index itself: none of its leases can be renewed.
+                    logger.error("lease heartbeat of %s: %s field %s %s; its %d lease(s) are not "
+                                 "renewed", owner, flat[1].decode(), flat[2].decode(), flat[3].decode(),
+                                 len(task_ids))
+                    out.update(dict.fromkeys(task_ids, Code.CORRUPT))
+                    continue
+                i = 0
+                while i < len(flat):
+                    task_id, code = flat[i].decode(), Code(flat[i + 1])
+                    out[task_id] = code
+                    i += 2
+                    if code is Code.CORRUPT:
+                        # One record: that task's lease is not renewed (lost); the rest were.
+                        logger.error("lease of task %s not renewed: its record %s field %s; it is "
+                                     "treated as lost and recovery parks it", task_id,
+                                     self.keys.record(task_id), flat[i].decode())
+                        i += 1
             return out
         finally:
             if pause_gc:
@@ -426,9 +495,10 @@ class LeaseStore:
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""
         key = self.keys.record(task_id)
-        (code,) = self._run(scripts.progress, (key, self.keys.shard_for(task_id).deadlines),
-                            (task_id, owner, int(token)), f"task {task_id}, key {key}")
-        _raise_unless_ok(Code(code), task_id, token)
+        reply = self._run(scripts.progress, (key, self.keys.shard_for(task_id).deadlines),
+                          (task_id, owner, int(token)), f"task {task_id}, key {key}")
+        _raise_if_corrupt(reply, f"progress of task {task_id}")
+        _raise_unless_ok(Code(reply[0]), task_id, token)
 
     def release(self, owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
         """Make these leases due now so they are recovered without waiting out the ttl.
@@ -446,8 +516,14 @@ class LeaseStore:
                 keys.append(self.keys.record(task_id))
                 args += [task_id, int(leases[task_id])]
             calls.append((keys, args))
-        return sum(int(n) for n in self._run_many(scripts.release, calls,
-                                                  f"{len(leases)} leases of {owner}"))
+        released = 0
+        for reply in self._run_many(scripts.release, calls, f"{len(leases)} leases of {owner}"):
+            _raise_if_corrupt(reply, f"releasing leases of {owner}")
+            released += int(reply[1])
+            for task_id, what in zip(reply[2::2], reply[3::2]):
+                logger.error("lease of task %s not released: its record %s field %s",
+                             task_id.decode(), self.keys.record(task_id.decode()), what.decode())
+        return released
 
     def claim_expired(self, limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
         """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua).
@@ -466,21 +542,35 @@ class LeaseStore:
                 keys += [self.keys.record(t), self.keys.message(t)]
             calls.append((keys, [self.max_recoveries, _ms(self.publish_grace), _ms(self.retention),
                                  *task_ids]))
-        rows = [row for result in self._run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases")
-                for row in result]
+        rows = []
+        for result in self._run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases"):
+            if result and result[0] == Code.CORRUPT:
+                # This shard's deadline index: logged, the other shards' claims go on.
+                logger.error("recovery: %s field %s %s; its leases cannot be claimed",
+                             *(v.decode() for v in result[1:4]))
+                continue
+            rows += result
         claims = []
         for task_id, code, gen, recoveries, name, body, envelope in rows:
-            task_id = task_id.decode()
+            task_id, code = task_id.decode(), Code(code)
             error = None
+            if code is Code.CORRUPT:
+                # gen is the corrupt key, recoveries "field detail": this task alone, to park.
+                key, (fld, _, detail) = gen.decode(), recoveries.decode().partition(" ")
+                error = CorruptRecord(f"lease of task {task_id}: {key} field {fld} {detail}", key, fld)
+                gen = recoveries = 0
             try:
                 env = json.loads(envelope) if envelope else {}
             except ValueError:
                 # Reported by the recovery pass; the rest of the batch goes on.
                 env = {}
-                error = CorruptRecord(f"message {self.keys.message(task_id)} of task {task_id} "
-                                      f"holds an envelope that is not JSON")
-            claims.append(Claim(task_id, Code(code), int(gen), int(recoveries),
-                                name.decode(), body, env, error))
+                error = error or CorruptRecord(
+                    f"message {self.keys.message(task_id)} of task {task_id} holds an envelope "
+                    f"that is not JSON", self.keys.message(task_id), "envelope")
+            if not isinstance(env, dict):
+                env = {}
+            claims.append(Claim(task_id, code, int(gen), int(recoveries),
+                                name.decode("utf-8", "replace"), body, env, error))
         return claims
 
     def mark_published(self, claims: Iterable[Claim]) -> int:
@@ -497,19 +587,29 @@ class LeaseStore:
                 keys += [self.keys.record(t), self.keys.message(t)]
                 args += [t, by_id[t].generation]
             calls.append((keys, args))
-        return sum(int(n) for n in self._run_many(scripts.mark_published, calls, f"{len(claims)} claims"))
+        confirmed = 0
+        for reply in self._run_many(scripts.mark_published, calls, f"{len(claims)} claims"):
+            if isinstance(reply, list):  # CORRUPT: the deadline index; claimed again, reported then
+                logger.error("recovery: confirming claims: %s field %s %s", *(v.decode() for v in reply[1:4]))
+                continue
+            confirmed += int(reply)
+        return confirmed
 
     def recover(self, publish: Callable[[Claim], None] | None = None,
                 on_dead: Callable[[Claim], None] | None = None,
-                limit: int | None = None) -> RecoveryReport:
+                limit: int | None = None,
+                on_corrupt: Callable[[Claim], None] | None = None) -> RecoveryReport:
         """Run one recovery pass: claim expired leases, re-publish them, confirm.
 
         A publish that raises leaves its claim unconfirmed; the next pass after
         ``publish_grace`` claims it again. Stops after ``limit`` claims (default:
-        until nothing is due).
+        until nothing is due). A corrupt record affects its own task only: the
+        script took it out of the deadline index, and ``on_corrupt`` (the Celery
+        side parks it) gets the claim, with the stored message if it was readable.
         """
         publish = publish or self.publish
         on_dead = on_dead or self.on_dead
+        on_corrupt = on_corrupt or self.on_corrupt
         if publish is None:
             raise LeaseError("recover() needs a publish callable (celery_leases.store(app) provides one)")
         report = RecoveryReport()
@@ -530,6 +630,10 @@ class LeaseStore:
             claims = self.claim_expired(ids=ids)
             published = []
             for claim in claims:
+                if claim.code is Code.CORRUPT:
+                    report.corrupt += 1
+                    self._corrupt_claim(claim, on_corrupt)
+                    continue
                 try:
                     if claim.error is not None and claim.code is not Code.DEAD:
                         raise claim.error
@@ -554,6 +658,89 @@ class LeaseStore:
                 remaining -= len(ids)
         return report
 
+    # -- parking ------------------------------------------------------------
+
+    def park(self, task_id: str, reason: str, *, name: str = "", body: bytes = b"",
+             envelope: Mapping | None = None, key: str = "", field: str = "") -> None:
+        """Keep a delivery that must not run (see park.lua); the lease record is not touched.
+
+        ``key`` and ``field`` name what was corrupt, when the cause is a key.
+        """
+        keys = self.keys
+        reply = self._run(
+            scripts.park, (keys.parked, keys.parked_meta, keys.parked_body),
+            (task_id, reason, name, body, _compact_json(dict(envelope)) if envelope else "", key, field,
+             _ms(self.parked_retention), int(self.parked_cap)),
+            f"parking task {task_id}")
+        _raise_if_corrupt(reply, f"parking task {task_id}")
+        if int(reply[1]):
+            logger.warning("parking task %s dropped %d older parked deliveries of %s "
+                           "(kept: %d at most, for %ss)", task_id, int(reply[1]), keys.parked,
+                           self.parked_cap, self.parked_retention)
+
+    def parked(self, limit: int = 100) -> list[Parked]:
+        """Parked deliveries, oldest first (without their bodies: ``unpark`` returns those)."""
+        keys = self.keys
+
+        def read() -> list:
+            ids = self.client.zrange(keys.parked, 0, int(limit) - 1)
+            if not ids:
+                return []
+            return list(zip(ids, self.client.hmget(keys.parked_meta, ids)))
+
+        out = []
+        for task_id, meta in self._read(read, f"reading {keys.parked}"):
+            if meta is not None:  # dropped between the two reads
+                out.append(Parked.parse(task_id.decode("utf-8", "surrogateescape"), meta))
+        return out
+
+    def parked_entry(self, task_id: str) -> Parked | None:
+        """``task_id``'s parked delivery without its body, or None (nothing is removed)."""
+        meta = self._read(lambda: self.client.hget(self.keys.parked_meta, task_id),
+                          f"reading {self.keys.parked_meta}")
+        return None if meta is None else Parked.parse(task_id, meta)
+
+    def unpark(self, task_id: str) -> Parked | None:
+        """Remove ``task_id``'s parked delivery and return it with its body and envelope (None: none)."""
+        keys = self.keys
+        reply = self._run(scripts.unpark, (keys.parked, keys.parked_meta, keys.parked_body),
+                          (task_id,), f"unparking task {task_id}")
+        _raise_if_corrupt(reply, f"unparking task {task_id}")
+        if Code(reply[0]) is Code.MISSING:
+            return None
+        return Parked.parse(task_id, reply[1], reply[2])
+
+    def reset_record(self, task_id: str) -> bool:
+        """Delete ``task_id``'s lease record, stored message and deadline entry (an operator's choice).
+
+        For a corrupt record that keeps a parked delivery from running again
+        (``celery leases replay --reset-record``): the next delivery starts a
+        fresh record. Nothing is read, so a corrupt record of any type goes.
+        True when there was a record.
+        """
+        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+
+        def delete() -> list:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.delete(self.keys.message(task_id))
+            pipe.zrem(shard.deadlines, task_id)
+            return pipe.execute()
+
+        return bool(self._read(delete, f"deleting {key} of task {task_id}")[0])
+
+    def _corrupt_claim(self, claim: Claim, on_corrupt: Callable[[Claim], None] | None) -> None:
+        """A claim whose record is corrupt: out of the index already; hand it to ``on_corrupt``."""
+        if on_corrupt is None:
+            logger.error("recovery: task %s not recovered, its lease record is corrupt: %s; it left "
+                         "the deadline index (no on_corrupt handler to park it)", claim.task_id, claim.error)
+            return
+        try:
+            on_corrupt(claim)
+        except Exception as exc:  # noqa: BLE001 - one task's parking must not stop the pass
+            logger.error("recovery: parking task %s (corrupt lease record: %s) failed: %r",
+                         claim.task_id, claim.error, exc, exc_info=True)
+
     def try_recovery_turn(self, owner: str, interval: float) -> bool:
         """True for one caller per ``interval`` across all workers (the fallback recoverer's guard)."""
         return bool(self._read(
@@ -568,9 +755,11 @@ class LeaseStore:
         lease, so a stale owner never marks a step done for its successor.
         """
         key = self.keys.record(task_id)
-        code, _recorded_by = self._run(
+        reply = self._run(
             scripts.complete_step, (key,), (owner, int(token), step),
             f"task {task_id}, step {step!r}, key {key}")
+        _raise_if_corrupt(reply, f"step {step!r} of task {task_id}")
+        code = reply[0]
         if Code(code) is Code.STEP_DONE:
             return False
         _raise_unless_ok(Code(code), task_id, token)
@@ -646,7 +835,14 @@ class LeaseStore:
         shards = list(shards)
         calls = [((self.keys.shard(i).deadlines,), (int(limit),)) for i in shards]
         results = self._run_many(scripts.expired, calls, "listing expired leases")
-        return {i: [t.decode() for t in rows[1:]] for i, rows in zip(shards, results)}
+        out: dict[int, list[str]] = {}
+        for i, rows in zip(shards, results):
+            if rows and rows[0] == Code.CORRUPT:
+                # This shard's deadline index is not a sorted set: logged, the other shards go on.
+                logger.error("listing expired leases: %s field %s %s", *(v.decode() for v in rows[1:4]))
+                rows = [0]
+            out[i] = [t.decode() for t in rows[1:]]
+        return out
 
     def server_time_ms(self, key: str | None = None) -> int:
         """The server clock in ms; on a cluster, of the master holding ``key`` (else any node)."""
@@ -672,9 +868,14 @@ class LeaseStore:
             f" and {len(shards) - 1} more shards" if len(shards) > 1 else ""))
         out: dict[str, int] = {}
         indexed = 0
-        for raw, count in zip(rows[::2], rows[1::2]):
+        for shard, raw, count in zip(shards, rows[::2], rows[1::2]):
             for k, v in raw.items():
-                out[k.decode()] = out.get(k.decode(), 0) + int(v)
+                try:
+                    out[k.decode()] = out.get(k.decode(), 0) + int(v)
+                except ValueError:
+                    # Counters are best effort in the scripts; reading them says so.
+                    raise CorruptRecord(f"stats hash {shard.stats}: field {k.decode()} is not a "
+                                        f"number: {v!r}", shard.stats, k.decode()) from None
             indexed += int(count)
         out["indexed"] = indexed
         return out
@@ -816,7 +1017,15 @@ class LeaseStore:
             for index, task_ids in self._by_shard(t for _, t in batch).items():
                 calls.append(([self.keys.shard(index).deadlines, *map(self.keys.record, task_ids)],
                               [_ms(older_than), *task_ids]))
-            purged += sum(int(n) for _, n in self._run_many(scripts.purge, calls, f"{len(batch)} records"))
+            for reply in self._run_many(scripts.purge, calls, f"{len(batch)} records"):
+                if reply[0] == Code.CORRUPT:
+                    logger.error("purge: %s field %s %s; its records are left alone",
+                                 *(v.decode() for v in reply[1:4]))
+                    continue
+                purged += int(reply[1])
+                for task_id, what in zip(reply[2::2], reply[3::2]):
+                    logger.warning("purge: left corrupt record %s alone: field %s",
+                                   self.keys.record(task_id.decode()), what.decode())
         return purged
 
     def held_for(self, task_id: str) -> float | None:
@@ -880,8 +1089,18 @@ _compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def acquisition_of(raw: Sequence[Any]) -> Acquisition:
+    """acquire.lua's reply as an Acquisition; a CORRUPT answer raises CorruptRecord naming key and field."""
+    _raise_if_corrupt(raw, "acquire")
     code, token, gen, recoveries, state = raw
     return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
+
+
+def _raise_if_corrupt(reply: Any, what: str) -> None:
+    """A script's CORRUPT answer {CORRUPT, key, field, detail} as CorruptRecord naming key and field."""
+    if isinstance(reply, list) and reply and reply[0] == Code.CORRUPT:
+        key, fld, detail = (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                            for v in reply[1:4])
+        raise CorruptRecord(f"{what}: {key} field {fld} {detail}; nothing was written", key, fld)
 
 
 def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> None:

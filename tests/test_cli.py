@@ -330,3 +330,63 @@ def test_held_for_is_the_time_since_the_last_acquisition(store):
     time.sleep(0.2)
     assert 0.2 <= store.held_for("t") < 5
     assert store.held_for("missing") is None
+
+
+# -- parked, replay ----------------------------------------------------------------------
+
+
+def real_message(client_app, key_prefix, *args):
+    """(task id, body, envelope) of a real `add` message, as a worker would have received it."""
+    from celery_leases.worker import envelope_of
+    side = f"{key_prefix}-side"
+    result = client_app.signature(f"{TASKS}.add", args).apply_async(queue=side)
+    with client_app.connection_for_read() as conn:
+        message = conn.SimpleQueue(side).get(timeout=5)
+        message.ack()
+    envelope = envelope_of(message)
+    envelope.update(exchange="", routing_key=key_prefix)  # the test worker's queue
+    return result.id, message.body, envelope
+
+
+def test_parked_lists_entries_in_a_table_and_as_json(cli, store):
+    store.park("p1", "corrupt lease record", name=f"{TASKS}.add", body=b"b", key="k1", field="token")
+    out = ok(cli("parked"))
+    assert out.splitlines()[0].split()[:3] == ["TASK", "ID", "NAME"]
+    row = out.splitlines()[1].split()
+    assert row[0] == "p1" and "k1" in row and "token" in row
+    data = json.loads(ok(cli("parked", "--json")))
+    (entry,) = data["parked"]
+    assert (entry["task_id"], entry["key"], entry["field"], entry["body_size"]) == ("p1", "k1", "token", 1)
+    assert ok(cli("parked", "--json", LEASES_TEST_PREFIX="other-prefix")).count("p1") == 0
+
+
+def test_replay_refuses_while_the_record_is_corrupt_and_reset_record_runs_it(
+        cli, store, client_app, key_prefix, start_worker):
+    # Given a parked delivery whose lease record is corrupt
+    task_id, body, envelope = real_message(client_app, key_prefix, 20, 22)
+    key = store.keys.record(task_id)
+    store.client.hset(key, mapping={"state": "active", "token": "not-a-number"})
+    store.park(task_id, "corrupt lease record", name=f"{TASKS}.add", body=body, envelope=envelope,
+               key=key, field="token")
+
+    # When it is replayed without --reset-record
+    refused = cli("replay", task_id)
+    # Then it is refused, naming the corrupt record and the way out, and stays parked
+    assert refused.returncode == 1, refused
+    assert key in refused.stderr and "--reset-record" in refused.stderr
+    assert store.parked_entry(task_id) is not None
+    assert store.client.hget(key, "token") == b"not-a-number"
+
+    # When it is replayed with --reset-record, with a worker running
+    start_worker("a")
+    out = ok(cli("replay", task_id, "--reset-record"))
+    # Then the record was deleted, the task ran under the same id, and it is no longer parked
+    assert task_id in out and "deleted" in out
+    assert client_app.AsyncResult(task_id).get(timeout=20) == 42
+    assert store.get(task_id).state == "succeeded"
+    assert store.parked_entry(task_id) is None
+
+
+def test_replay_of_an_unknown_id_is_not_found(cli):
+    result = cli("replay", "nope")
+    assert result.returncode == 1 and "no parked delivery for task nope" in result.stderr

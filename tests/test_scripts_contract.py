@@ -32,6 +32,9 @@ CODE_LITERALS = [
     re.compile(r"table\.insert\(\s*\w+\s*,\s*\{\s*[\w.]+\s*,\s*(\d+)\s*,"),  # {task_id, 6, ...}
     re.compile(r"\bcode\s*=\s*(\d+)"),                                   # code = 2 -- TAKEN_OVER
 ]
+#: Prelude helpers whose reply is CORRUPT when what they check is corrupt: a body
+#: that returns one of their answers returns CORRUPT.
+CORRUPT_HELPERS = re.compile(r"\b(check_type|corrupt|load)\(|\bCORRUPT\b")
 FIXED_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s", re.M)
 OPTIONAL_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s+optional\b", re.M)
 RANGE_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\.\.", re.M)
@@ -77,6 +80,8 @@ class Contract:
             code_part = line.split("--", 1)[0]
             for pattern in CODE_LITERALS:
                 found += [(int(n), line.strip()) for n in pattern.findall(code_part)]
+            if CORRUPT_HELPERS.search(code_part):
+                found.append((int(Code.CORRUPT), line.strip()))
         return found
 
 
@@ -208,6 +213,8 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     other = store.acquire("t2", "w")
     store.finish("t2", "w", other.token, "succeeded", write=(f"{key_prefix}:result:t2", "r", 0))
     store.purge()
+    store.park("t3", "corrupt", body=b"b", envelope={"x": 1}, key="k", field="f")
+    store.unpark("t3")
     store.client.close()
 
     # Then each got exactly its documented keys and arguments, or more for variadic ones
@@ -222,3 +229,13 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
             else:
                 assert fixed - len(contract.optional(kind)) <= n <= fixed, (name, kind, n, fixed)
     assert seen == set(SCRIPT_NAMES)
+
+
+def test_the_prelude_names_codes_by_the_values_of_the_python_enum():
+    # Given the named code constants the prelude defines (local NAME = number)
+    prelude = (SCRIPT_DIR / "_prelude.lua").read_text("utf-8")
+    constants = dict(re.findall(r"^local ([A-Z_]+) = (\d+)", prelude, re.M))
+    # Then each is a Code member with that value
+    assert constants, "the prelude defines no code constants"
+    assert {name: int(v) for name, v in constants.items()} == \
+        {name: int(Code[name]) for name in constants}

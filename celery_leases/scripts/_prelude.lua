@@ -7,7 +7,21 @@
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
   history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
+  corrupt(key, field, detail)  the CORRUPT reply {CORRUPT, key, field, detail}
+  check_type(key, want)      nil when key is missing or of type want, else a CORRUPT reply
+                             (field "type"); checked before any write, since Redis does not
+                             roll back a script that fails half-way
+  load(key, fields, numeric, required)
+                             a record's fields (HMGET) as a table, validated: the key a hash,
+                             state (if read) a known state, each numeric field present a whole
+                             number, each required field present when the record exists, and
+                             a hash without a state is corrupt. Returns rec, or nil and the
+                             CORRUPT reply naming key and field. Scripts load everything they
+                             depend on first, then write.
+  count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
+                             reason to refuse a task (the stats reads report it)
 ]]
+local CORRUPT = 14
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -42,4 +56,56 @@ local function history_fields(key, count, entry)
   -- The last 16 owners, one small field each ("h:0".."h:15", ring by count),
   -- so the record keeps Redis's compact hash encoding.
   return 'h:' .. (count % 16), entry, 'hn', count + 1
+end
+
+local function corrupt(key, field, detail)
+  return {CORRUPT, key, field, detail}
+end
+
+local function check_type(key, want)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= want then
+    return corrupt(key, 'type', 'is a ' .. t .. ', not a ' .. want)
+  end
+  return nil
+end
+
+local KNOWN_STATES = {active = true, recovering = true, succeeded = true, failed = true,
+                      dead = true, revoked = true}
+
+local function whole(v)
+  local n = tonumber(v)
+  if n == nil or n ~= math.floor(n) or n ~= n or n == math.huge or n == -math.huge then return nil end
+  return n
+end
+
+local function load(key, fields, numeric, required)
+  local values = redis.pcall('HMGET', key, unpack(fields))
+  if type(values) == 'table' and values.err then
+    return nil, corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
+  end
+  local rec = {}
+  for i, name in ipairs(fields) do rec[name] = values[i] end
+  local state = rec.state
+  if state then
+    if not KNOWN_STATES[state] then
+      return nil, corrupt(key, 'state', 'is ' .. string.format('%q', state) .. ', not a known state')
+    end
+    for _, name in ipairs(required or {}) do
+      if not rec[name] then return nil, corrupt(key, name, 'is missing') end
+    end
+  elseif rec.state == false and redis.call('EXISTS', key) == 1 then
+    return nil, corrupt(key, 'state', 'is missing')
+  end
+  for _, name in ipairs(numeric or {}) do
+    local v = rec[name]
+    if v and not whole(v) then
+      return nil, corrupt(key, name, 'is not a number: ' .. string.format('%q', v))
+    end
+  end
+  return rec
+end
+
+local function count(stats, field, n)
+  redis.pcall('HINCRBY', stats, field, n)
 end

@@ -1,0 +1,67 @@
+"""Parking: what happens to a delivery that must not run and must not be re-queued.
+
+A permanent error (a corrupt lease record, a malformed message) would come
+back on every re-delivery, so the delivery is parked instead: kept in the
+lease store for an operator (``celery leases parked`` / ``replay``), copied to
+``leases_dead_letter_queue`` when one is set, and its waiters are released
+with ``DeliveryParked``. The lease record is never touched here: a corrupt one
+stays as it is, to be inspected (docs/recovery.md, "Parked deliveries").
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from kombu import Queue
+
+from .config import get_config
+from .exceptions import DeliveryParked, LeaseError
+from .signals import delivery_parked
+
+__all__ = ["park_delivery"]
+
+logger = logging.getLogger("celery_leases.parking")
+
+
+def park_delivery(app: Any, task_id: str, reason: str, *, name: str = "", body: bytes = b"",
+                  envelope: Mapping | None = None, key: str = "", field: str = "",
+                  exc: BaseException | None = None) -> None:
+    """Park one delivery of ``task_id``: store it, dead-letter it, fail its waiters, tell.
+
+    Each step goes on when another fails (each failure is logged naming the
+    task): an unreachable lease store still leaves the dead-letter copy and the
+    stored failure, so the delivery is never dropped without a word.
+    """
+    from .recovery import Recoverer, publish_raw
+    from .runtime import get_store
+
+    key = key or getattr(exc, "key", "") or ""
+    field = field or getattr(exc, "field", "") or ""
+    envelope = dict(envelope or {})
+    body = body or b""
+    logger.error("task %s[%s] parked, not run: %s (key %s, field %s)%s", name or "?", task_id, reason,
+                 key or "-", field or "-", f": {exc}" if exc is not None and str(exc) not in reason else "")
+    try:
+        get_store(app).park(task_id, reason, name=name, body=body, envelope=envelope, key=key, field=field)
+    except LeaseError as error:
+        logger.error("task %s: the parked delivery could not be stored in the lease store "
+                     "(it is only in the dead-letter queue, if one is set): %s", task_id, error)
+    queue = get_config(app).dead_letter_queue
+    if queue and body and envelope:
+        try:
+            headers = dict(envelope.get("headers") or {})
+            headers["lease_parked"] = reason
+            publish_raw(app, body, envelope, headers, exchange="", routing_key=queue,
+                        declare=[Queue(queue)])
+        except Exception as error:  # noqa: BLE001 - the parked entry (if stored) still has it
+            logger.error("task %s: publishing the parked delivery to %s failed: %r", task_id, queue, error)
+    failure = DeliveryParked(task_id, reason, key, field)
+    recoverer = Recoverer(app)
+    try:
+        request = recoverer._request_of(task_id, name, body, envelope)
+        app.backend.mark_as_failure(task_id, failure, request=request)
+    except Exception as error:  # noqa: BLE001 - logged; the entry stays listed
+        logger.error("task %s: storing DeliveryParked in the result backend failed: %r", task_id, error)
+    task = app.tasks.get(name) if name else None
+    delivery_parked.send(sender=task if task is not None else app, task_id=task_id, reason=reason,
+                         key=key, field=field)
