@@ -34,10 +34,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from .direct import close_connection, open_connection, supported
-from .exceptions import LeaseError
+from .codes import Code
+from .exceptions import LeaseError, LeaseUnavailable
+from .receipt import MalformedMessage
 from .resp import Incomplete, pack, parse
 from .scripts import scripts
-from .store import acquisition_of
+from .store import _raise_if_corrupt, acquisition_of
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -52,6 +54,8 @@ class Job:
     request: Any = None
     #: Anything the callback needs (the worker keeps its config and epoch here).
     context: dict = field(default_factory=dict)
+    #: The packed EVALSHA; a job is in flight only once this is set.
+    command: bytes = b""
 
 
 class Acquirer:
@@ -70,11 +74,11 @@ class Acquirer:
         self._fd: int | None = None
         #: Bytes read and not yet parsed (a reply cut across reads).
         self._buffer = bytearray()
-        #: Jobs waiting for their reply, in the order their commands were (or will be) sent.
-        self._inflight: deque[Job] = deque()
-        #: Commands sent whose replies are still to come; commands held until they are in.
-        self._unanswered = 0
-        self._held: list[bytes] = []
+        #: Jobs whose commands were sent, in that order: the next reply is the first one's.
+        #: A job enters only with its packed command, so replies and jobs cannot drift apart.
+        self._sent: deque[Job] = deque()
+        #: Jobs packed and held until the replies still to come are in.
+        self._held: list[Job] = []
         #: Commands sent, and the writes that sent them (several commands per write when busy).
         self.sent = self.writes = 0
 
@@ -85,11 +89,11 @@ class Acquirer:
 
     @property
     def pending(self) -> int:
-        return len(self._inflight)
+        return len(self._sent) + len(self._held)
 
     def requests(self) -> list:
         """The requests whose acquire is held or awaits its reply."""
-        return [job.request for job in self._inflight]
+        return [job.request for job in self._sent] + [job.request for job in self._held]
 
     def submit(self, job: Job) -> None:
         """Send the acquire; ``job.done`` runs when its reply is read.
@@ -101,16 +105,24 @@ class Acquirer:
         idle worker waits no longer than before; a busy one makes fewer
         system calls (one write and one read for several acquires).
         """
-        keys, args = self.store.acquire_args(**job.call)
-        self._inflight.append(job)
+        try:
+            keys, args = self.store.acquire_args(**job.call)
+            job.command = pack("EVALSHA", scripts.acquire.sha, len(keys), *keys, *args)
+        except Exception as exc:  # noqa: BLE001 - this job's own fault: it alone fails, nothing was sent
+            # (A job queued before its command was packed shifted every later
+            # reply onto the wrong job: issue #14.1.)
+            self._call(job, MalformedMessage(
+                f"task {job.call.get('task_id')!r}: its acquire cannot be sent to the lease store: "
+                f"{exc!r}", field="envelope" if isinstance(exc, (TypeError, ValueError)) else "id"))
+            return
         if not self._held:
             self._held_since = monotonic()
-        self._held.append(pack("EVALSHA", scripts.acquire.sha, len(keys), *keys, *args))
+        self._held.append(job)
         self._maybe_send()
 
     def _maybe_send(self) -> None:
         """Send what is held, unless a reply is still to come or the pool can wait."""
-        if not self._held or self._unanswered:
+        if not self._held or self._sent:
             return
         if self.busy is not None and self.busy() and monotonic() - self._held_since < self.max_hold:
             if self._timer is None:
@@ -127,18 +139,19 @@ class Acquirer:
         self._maybe_send()
 
     def _send_held(self) -> None:
-        commands, self._held = self._held, []
+        jobs = self._held
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         try:
             self._connection()
-            self._sock.sendall(b"".join(commands))
+            self._sock.sendall(b"".join([job.command for job in jobs]))
         except Exception as exc:  # noqa: BLE001 - every waiting job learns why; none is dropped
             self._fail_all(exc)
             return
-        self._unanswered += len(commands)
-        self.sent += len(commands)
+        self._held = []
+        self._sent.extend(jobs)
+        self.sent += len(jobs)
         self.writes += 1
 
     def _connection(self) -> Any:
@@ -173,15 +186,20 @@ class Acquirer:
                         reply, after = parse(buffer, pos)
                     except Incomplete:
                         break
-                    if not self._unanswered:
-                        raise LeaseError(f"acquire connection to {self.store.description}: "
-                                         f"reply without a request: {reply!r}")
+                    if not self._sent:
+                        raise OutOfStep(f"acquire connection to {self.store.description}: "
+                                        f"reply without a request: {reply!r}")
+                    if not _is_acquire_reply(reply):
+                        # Not what acquire.lua answers: replies and jobs are out of
+                        # step, so no reply on this connection can be trusted.
+                        raise OutOfStep(f"acquire connection to {self.store.description}: "
+                                        f"reply {reply!r} is not an acquire reply (task "
+                                        f"{self._sent[0].call.get('task_id')!r})")
                     pos = after
-                    self._unanswered -= 1
-                    self._deliver(self._inflight.popleft(), reply)
+                    self._deliver(self._sent.popleft(), reply)
                 del buffer[:pos]
                 # A TLS socket may hold decrypted bytes the poller cannot see.
-                if not self._unanswered or not getattr(sock, "pending", lambda: 0)():
+                if not self._sent or not getattr(sock, "pending", lambda: 0)():
                     break
         except Exception as exc:  # noqa: BLE001 - the connection is reset; waiting jobs fail over
             self._fail_all(exc)
@@ -200,8 +218,9 @@ class Acquirer:
             result = error if isinstance(error, LeaseError) else LeaseError(repr(reply))
         else:
             try:
+                _raise_if_corrupt(reply, f"task {job.call.get('task_id')}")
                 result = acquisition_of(reply)
-            except LeaseError as exc:  # CORRUPT: CorruptRecord names the key and field
+            except LeaseError as exc:  # CorruptRecord, naming the key and field
                 result = exc
             except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
                 result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")
@@ -221,18 +240,23 @@ class Acquirer:
             self._timer.cancel()
             self._timer = None
         error = self.store.script_error(scripts.acquire, exc, "acquire connection")
-        if not isinstance(error, LeaseError):
-            error = LeaseError(f"acquire failed on {self.store.description}: {exc!r}")
-        jobs = list(self._inflight)
-        self._inflight.clear()
-        self._held, self._unanswered = [], 0
+        if not isinstance(error, LeaseUnavailable):
+            # Whatever broke the connection (out of step included), no job on it
+            # was answered: each is tried again as if the store had been unreachable.
+            error = LeaseUnavailable(f"acquire connection to {self.store.description} reset: {exc!r}")
+            if isinstance(exc, OutOfStep):
+                logger.error("celery-leases: %s; the connection is reset and %d acquire(s) waiting "
+                             "on it are tried again", exc, self.pending)
+        jobs = list(self._sent) + self._held
+        self._sent.clear()
+        self._held = []
         for job in jobs:
             self._call(job, error)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Read every outstanding reply now, blocking (shutdown, consumer restart)."""
-        while self._inflight:
-            if self._held and not self._unanswered:
+        while self._sent or self._held:
+            if self._held and not self._sent:
                 self._send_held()
                 continue
             try:
@@ -242,7 +266,7 @@ class Acquirer:
                 self._fail_all(exc)
                 return
             if not ready:
-                self._fail_all(TimeoutError(f"no reply to {len(self._inflight)} acquire(s) "
+                self._fail_all(TimeoutError(f"no reply to {self.pending} acquire(s) "
                                             f"within {timeout}s"))
                 return
             self.on_readable()
@@ -263,6 +287,28 @@ class Acquirer:
     def stop(self) -> None:
         self.flush()
         self._close()
+
+
+class OutOfStep(LeaseError):
+    """Raised when a reply on the acquire connection cannot be the next job's (fails every job)."""
+
+
+def _is_acquire_reply(reply: Any) -> bool:
+    """True for what acquire.lua can return: {code, token, generation, recoveries, state},
+    {CORRUPT, key, field, detail}, or an error."""
+    if isinstance(reply, Exception):
+        return True
+    if not isinstance(reply, list) or not reply or type(reply[0]) is not int:
+        return False
+    if reply[0] == Code.CORRUPT:
+        return len(reply) == 4
+    return (len(reply) == 5 and reply[0] in _ACQUIRE_CODES and all(type(n) is int for n in reply[1:4])
+            and isinstance(reply[4], bytes))
+
+
+#: Codes acquire.lua answers with (its header's Output).
+_ACQUIRE_CODES = frozenset({Code.ACQUIRED, Code.TAKEN_OVER, Code.BUSY, Code.FINISHED, Code.STALE,
+                            Code.DEAD, Code.LOST})
 
 
 __all__ = ["Acquirer", "Job"]

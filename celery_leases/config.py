@@ -48,6 +48,8 @@ class LeaseConfig:
     on_lost: str = defaults.ON_LOST
     dead_letter_queue: str | None = defaults.DEAD_LETTER_QUEUE
     unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
+    unavailable_retry_max_delay: float = defaults.UNAVAILABLE_RETRY_MAX_DELAY
+    deliveries_per_minute: int = defaults.DELIVERIES_PER_MINUTE
     worker_recovery: bool = defaults.WORKER_RECOVERY
     beat_schedule: bool = defaults.BEAT_SCHEDULE
     #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).
@@ -61,7 +63,7 @@ class LeaseConfig:
             return f"{where}{field}"
 
         for field in ("ttl", "heartbeat_interval", "recovery_interval", "retention",
-                      "publish_grace", "unavailable_retry_delay"):
+                      "publish_grace", "unavailable_retry_delay", "unavailable_retry_max_delay"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigurationError(f"{name(field)} must be a positive number of seconds, got {value!r}")
@@ -74,6 +76,10 @@ class LeaseConfig:
             raise ConfigurationError(
                 f"{name('progress_timeout')} must be None or a positive number of seconds, "
                 f"got {self.progress_timeout!r}")
+        if not isinstance(self.deliveries_per_minute, int) or isinstance(self.deliveries_per_minute, bool) \
+                or self.deliveries_per_minute < 1:
+            raise ConfigurationError(f"{name('deliveries_per_minute')} must be an integer >= 1, "
+                                     f"got {self.deliveries_per_minute!r}")
         for field in ("max_recoveries", "recover_batch"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if field == "max_recoveries" else 1):
@@ -178,6 +184,11 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
         dead_letter_queue=setting("dead_letter_queue", defaults.DEAD_LETTER_QUEUE),
         unavailable_retry_delay=_number(setting("unavailable_retry_delay", defaults.UNAVAILABLE_RETRY_DELAY),
                                         "leases_unavailable_retry_delay"),
+        unavailable_retry_max_delay=_number(
+            setting("unavailable_retry_max_delay", defaults.UNAVAILABLE_RETRY_MAX_DELAY),
+            "leases_unavailable_retry_max_delay"),
+        deliveries_per_minute=_integer(setting("deliveries_per_minute", defaults.DELIVERIES_PER_MINUTE),
+                                       "leases_deliveries_per_minute"),
         worker_recovery=_boolean(setting("worker_recovery", defaults.WORKER_RECOVERY), "leases_worker_recovery"),
         beat_schedule=_boolean(setting("beat_schedule", defaults.BEAT_SCHEDULE), "leases_beat_schedule"),
     )

@@ -27,6 +27,10 @@ ON_LOST = "flag"
 DEAD_LETTER_QUEUE = None
 #: Seconds before a delivery that could not reach the lease store is tried again.
 UNAVAILABLE_RETRY_DELAY = 5.0
+#: Longest delay of a re-queued copy: the delay doubles with each re-queue of a delivery up to this.
+UNAVAILABLE_RETRY_MAX_DELAY = 300.0
+#: Deliveries of one task id a worker process admits per minute; later ones are postponed.
+DELIVERIES_PER_MINUTE = 20
 #: Whether workers run recovery passes themselves (one at a time) so recovery survives beat being down.
 WORKER_RECOVERY = True
 #: Whether install() adds the beat entry for celery_leases.recover.

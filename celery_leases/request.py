@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.exceptions import TaskRevokedError, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
@@ -58,12 +58,31 @@ class LeasedRequest(Request):
         return False
 
     def _lease_before_execute(self) -> None:
-        """The store was unreachable at receipt: try again now that the task is due to run."""
-        if self.__dict__.get("_lease_pending") is None:
-            return
+        """Finish what receipt left to do, now that the task is due to run; raise
+        TaskRevokedError when it must not reach the pool.
+
+        Receipt may have postponed the acquire (store unreachable, delivery
+        window full): it is done now. A delivery settled without running
+        (parked, or re-queued as a delayed copy) is completed here as Celery
+        completes a revoked request: out of its reserved requests, acknowledged,
+        and TaskRevokedError, on which Celery frees the pool slot it took.
+        """
         worker = get_worker(self._app)
-        if worker is not None:
+        if self.__dict__.get("_lease_pending") is not None and worker is not None:
             worker.acquire_pending(self)
+        if self.__dict__.get("_lease_refused"):
+            task_ready(self)
+            self.acknowledge()
+            raise TaskRevokedError(f"task {self.id!r}: settled at receipt, not run "
+                                   f"({self._request_dict.get('lease_skip')})")
+        if (worker is not None and self.lease_token is None and getattr(self.task, "leased", False)
+                and not self._request_dict.get("lease_skip")
+                and not self._request_dict.get("lease_unavailable")):
+            # Receipt never reached a decision for this request: never run it unleased.
+            worker.park_unleased(self)
+            task_ready(self)
+            self.acknowledge()
+            raise TaskRevokedError(f"task {self.id!r}: no lease was acquired at receipt")
 
     def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
         if self._lease_defer(pool, kwargs):

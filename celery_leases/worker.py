@@ -17,7 +17,6 @@ import signal as _signal
 import socket
 import threading
 import uuid
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery import bootsteps
@@ -31,6 +30,8 @@ from .codes import Code
 from .config import LeaseConfig, get_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
+from .receipt import (REQUEUES_HEADER, DeliveryWindow, ServerClock, Throttled, describe, eta_after,
+                      requeue_delay, usable_id, validate_message)
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .signals import delivery_refused, lease_acquired, lease_lost
@@ -74,6 +75,10 @@ class LeaseWorker:
             if hub is not None and Acquirer.supported(self.store) else None
         if self.acquirer is not None:
             hub.on_tick.add(self.acquirer.tick)
+        #: Deliveries admitted per task id per minute (in memory: holds when Redis is down).
+        self.window = DeliveryWindow(config.deliveries_per_minute)
+        #: The store's clock, for the ETA of re-queued copies.
+        self.clock = ServerClock(self.store.server_time_ms)
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
                                    sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
@@ -86,7 +91,7 @@ class LeaseWorker:
     def start(self) -> None:
         # Fail at worker start, naming the URL's setting, when Redis is not there.
         try:
-            self.store.server_time_ms()
+            self.clock.sample()
         except LeaseUnavailable as exc:
             raise LeaseUnavailable(f"leases_redis_url: {exc}") from exc
         # Scripts are read once, here: the pool processes inherit them, and a
@@ -144,9 +149,27 @@ class LeaseWorker:
         return config
 
     def acquire_pending(self, request: Any) -> None:
-        """Second try for a request whose acquire at receipt found the store unreachable."""
-        request._lease_pending = None
-        self.on_received(request, due=True)
+        """The task is due to run and its receipt left work to finish: the store was
+        unreachable (acquire again), the delivery window was full (look again), or
+        parking failed (park again)."""
+        pending = request.__dict__.pop("_lease_pending", None)
+        if pending is None:
+            return
+        try:
+            if isinstance(pending, _ParkLater):
+                self._park(request, pending.exc, due=True)
+                return
+            if isinstance(pending, Throttled):
+                wait = self.window.room_in(request.id)
+                if wait > 0:
+                    self._requeue_later(request, pending, delay=max(wait, self.config.unavailable_retry_delay))
+                    return
+                self.window.admit(request.id)
+            config = self.task_config(request.task)
+            acq = self.store.acquire(**self._acquire_call(request, config))
+            self._settle(request, config, acq)
+        except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
+            self._acquire_failed(request, exc, due=True)
 
     def _acquire_call(self, request: Any, config: LeaseConfig) -> dict:
         message, request_dict = request.message, request.request_dict
@@ -157,21 +180,35 @@ class LeaseWorker:
                     progress_timeout=config.progress_timeout or 0, name=request.task.name,
                     body=message.body, envelope=envelope_of(message))
 
-    def on_received(self, request: Any, due: bool = False) -> None:
-        config = self.task_config(request.task)
-        if self.acquirer is not None and not due:
-            # Sent now, read when the event loop sees the reply; the request
-            # is handed to its pool once it is in (LeasedRequest defers it).
-            request._lease_inflight = True
-            self.acquirer.submit(Job(self._acquire_call(request, config), self._acquired, request,
-                                     {"config": config, "epoch": self._epoch}))
-            return
+    def on_received(self, request: Any) -> None:
+        """``task_received`` of a leased task: acquire, or decide now that it must not run.
+
+        Whatever goes wrong here is classified (``_acquire_failed``), never
+        left to the signal's error log: a receiver's exception would be
+        swallowed and the task run without a lease.
+        """
         try:
-            acq = self.store.acquire(**self._acquire_call(request, config))
-        except LeaseError as exc:
-            self._acquire_failed(request, exc, due)
-            return
-        self._settle(request, config, acq)
+            validate_message(request)
+            config = self.task_config(request.task)
+            wait = self.window.admit(request.id)
+            if wait:
+                self._postpone(request, Throttled(
+                    f"task {describe(request)}: more than {self.config.deliveries_per_minute} deliveries "
+                    f"in a minute (leases_deliveries_per_minute); postponed {wait:.1f}s"))
+                return
+            call = self._acquire_call(request, config)
+            if self.acquirer is not None:
+                # Sent now, read when the event loop sees the reply; the request
+                # is handed to its pool once it is in (LeasedRequest defers it).
+                request._lease_inflight = True
+                self.acquirer.submit(Job(call, self._acquired, request,
+                                         {"config": config, "epoch": self._epoch}))
+                return
+            acq = self.store.acquire(**call)
+            self._settle(request, config, acq)
+        except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
+            request.__dict__.pop("_lease_inflight", None)
+            self._acquire_failed(request, exc, due=False)
 
     def _acquired(self, job: Job, result: Any) -> None:
         """An acquire sent by the acquirer is answered: settle it, then hand the task to its pool."""
@@ -184,10 +221,13 @@ class LeaseWorker:
             if isinstance(result, Acquisition) and result.owned:
                 self.release({request.id: result.token}, unstarted=True)
             return
-        if isinstance(result, Acquisition):
-            self._settle(request, config, result)
-        else:  # a LeaseError: the acquirer hands out nothing else
-            self._acquire_failed(request, result, due=False)
+        try:
+            if isinstance(result, Acquisition):
+                self._settle(request, config, result)
+            else:  # a LeaseError: the acquirer hands out nothing else
+                self._acquire_failed(request, result, due=False)
+        except Exception as exc:  # noqa: BLE001 - fail closed; the request is still handed over below
+            self._acquire_failed(request, exc, due=False)
         deferred = request.__dict__.pop("_lease_deferred", None)
         if deferred is not None:
             self._execute(request, *deferred)
@@ -206,22 +246,74 @@ class LeaseWorker:
             if token is not None:
                 self.release({request.id: token})
 
-    def _acquire_failed(self, request: Any, exc: LeaseError, due: bool) -> None:
-        task = request.task
-        if isinstance(exc, LeaseUnavailable):
-            if due:
+    def _acquire_failed(self, request: Any, exc: BaseException, due: bool) -> None:
+        """The one rule for errors at receipt: transient -> later, with backoff; anything else -> parked."""
+        try:
+            if not isinstance(exc, LeaseUnavailable):
+                self._park(request, exc, due)
+            elif due:
                 self._requeue_later(request, exc)
             else:
-                # Try again when the task is due to run (at once, or at its ETA):
-                # re-queueing from here would loop, since Celery receives an ETA
-                # copy immediately and holds it.
-                request._lease_pending = exc
-                logger.warning("task %s[%s]: lease store unreachable at receipt (%s); trying again "
-                               "when it is due to run", task.name, request.id, exc)
+                self._postpone(request, exc)
+        except Exception as error:  # noqa: BLE001 - the last resort: refuse to run, loudly
+            logger.critical("task %s: handling a failed acquire (%r) failed: %r; the delivery is not "
+                            "run", describe(request), exc, error, exc_info=True)
+            request.request_dict["lease_skip"] = f"lease acquire failed: {exc}"
+
+    def _postpone(self, request: Any, reason: LeaseError) -> None:
+        """Try again when the task is due to run (at once, or at its ETA).
+
+        Re-queueing from here would loop: Celery receives an ETA copy at once
+        and holds it, so each copy would be re-queued as soon as it arrived.
+        """
+        request._lease_pending = reason
+        first = not (request.message.headers or {}).get(REQUEUES_HEADER)
+        logger.log(logging.WARNING if first and isinstance(reason, LeaseUnavailable) else logging.DEBUG,
+                   "task %s: %s at receipt; trying again when it is due to run",
+                   describe(request), reason if isinstance(reason, Throttled)
+                   else f"lease store unreachable ({reason})")
+        if first and isinstance(reason, LeaseUnavailable):
+            request._lease_warned = True
+
+    def _park(self, request: Any, exc: BaseException, due: bool) -> None:
+        """A permanent error: the delivery is never run and never re-queued; it is parked
+        (parking.py: kept for the operator, waiters released) and acknowledged."""
+        reason = str(exc) or repr(exc)
+        request.request_dict["lease_skip"] = f"delivery parked: {reason}"
+        # An id that cannot be a key (None, a float, a lone surrogate) is parked under its repr.
+        task_id = request.id if usable_id(request.id) else repr(request.id)
+        try:
+            try:
+                envelope: dict | None = envelope_of(request.message)
+            except Exception:  # noqa: BLE001 - a message too broken to describe is parked without it
+                envelope = None
+            from .parking import park_delivery
+            park_delivery(self.app, task_id, reason, name=request.task.name,
+                          body=_bytes_or_empty(request.message.body), envelope=envelope,
+                          key=getattr(exc, "key", "") or "", field=getattr(exc, "field", "") or "",
+                          exc=exc if isinstance(exc, Exception) else None)
+        except Exception as park_exc:  # noqa: BLE001 - not parked: kept, and tried again later
+            logger.error("task %s: delivery must be parked (%s), but parking failed: %r",
+                         describe(request), reason, park_exc)
+            if due:
+                self._requeue_later(request, LeaseUnavailable(f"parking failed: {park_exc!r}"))
+            else:
+                request._lease_pending = _ParkLater(exc)
             return
-        logger.error("task %s[%s]: lease acquire failed, not run: %s", task.name, request.id, exc)
-        request.request_dict["lease_skip"] = f"lease acquire failed: {exc}"
-        self._requeue_later(request, exc)
+        self._refused(request)  # park_delivery logged it, naming the task, key and field
+
+    def park_unleased(self, request: Any) -> None:
+        """A leased request is due to run with no lease and no decision from receipt."""
+        self._park(request, LeaseError(f"task {describe(request)}: no lease was acquired at receipt "
+                                       f"(the task_received hook did not settle it)"), due=True)
+
+    @staticmethod
+    def _refused(request: Any) -> None:
+        """Receipt settled this delivery without running it: acknowledge it now (its
+        prefetch slot is free at once); Celery's hand-over then completes it without
+        its pool (LeasedRequest.execute_using_pool)."""
+        request._lease_refused = True
+        request.acknowledge()
 
     def _settle(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
         """An acquired lease: the request carries its token and the heartbeat renews it.
@@ -236,13 +328,25 @@ class LeaseWorker:
                                                 ttl=config.ttl, progress=bool(config.progress_timeout)))
             lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
                                 taken_over=acq.code is Code.TAKEN_OVER)
+            requeues = (message.headers or {}).get(REQUEUES_HEADER)
+            if requeues or request.__dict__.get("_lease_warned"):
+                logger.info("task %s[%s]: lease acquired (token %s) after the lease store was "
+                            "unreachable (%s re-queue(s))", task.name, request.id, acq.token, requeues or 0)
             return
         generation = int((message.headers or {}).get("lease_generation") or 0)
-        reason = {Code.BUSY: f"another worker holds a live lease (token {acq.token})",
+        if acq.code is Code.BUSY:
+            held = self.heartbeat.held.get(request.id)
+            busy = (f"this worker already holds a live lease (token {acq.token})"
+                    if held is not None and held.token == acq.token
+                    else f"another worker holds a live lease (token {acq.token})")
+        reason = {Code.BUSY: busy if acq.code is Code.BUSY else "",
                   Code.FINISHED: f"the task already finished ({acq.state})",
                   Code.STALE: f"stale copy of the message (generation {generation}, "
                               f"current {acq.generation})",
-                  Code.DEAD: f"the task used up its {config.max_recoveries} recoveries"}[acq.code]
+                  Code.DEAD: f"the task used up its {config.max_recoveries} recoveries"}.get(acq.code)
+        if reason is None:
+            raise LeaseError(f"task {task.name}[{request.id}]: acquire answered {acq.code!r}, which "
+                             f"a delivery cannot act on")
         logger.info("task %s[%s]: delivery not run: %s", task.name, request.id, reason)
         request.request_dict["lease_skip"] = reason
         delivery_refused.send(sender=task, task_id=request.id, reason=reason, code=acq.code,
@@ -252,24 +356,46 @@ class LeaseWorker:
             Recoverer(self.app).mark_dead(request.id, acq.recoveries, message.body,
                                           envelope_of(message))
 
-    def _requeue_later(self, request: Any, exc: Exception) -> None:
-        """The store is unreachable: never run without a lease; publish a delayed copy instead."""
-        delay = self.config.unavailable_retry_delay
-        request.request_dict["lease_skip"] = f"lease store unreachable, re-queued in {delay}s"
+    def _requeue_later(self, request: Any, exc: LeaseError, delay: float | None = None) -> None:
+        """Never run without a lease: publish a delayed copy (same id and headers) and
+        acknowledge this one.
+
+        The delay doubles with each re-queue of the delivery (``lease_requeues``
+        header), from ``leases_unavailable_retry_delay`` up to
+        ``leases_unavailable_retry_max_delay``; ``delay`` overrides it (a full
+        delivery window). The ETA is on the lease store's clock (ServerClock),
+        not this worker's wall clock.
+        """
         message = request.message
         env = envelope_of(message)
         headers = dict(env["headers"])
-        headers["eta"] = (datetime.now(timezone.utc) + timedelta(seconds=delay)).isoformat()
+        requeues = headers.get(REQUEUES_HEADER) or 0
+        if delay is None:
+            delay = requeue_delay(self.config.unavailable_retry_delay,
+                                  self.config.unavailable_retry_max_delay, requeues)
+            headers[REQUEUES_HEADER] = requeues + 1
+        now, source = self.clock.now(read=not isinstance(exc, LeaseUnavailable))
+        headers["eta"] = eta_after(now, delay)
+        what = "postponed" if isinstance(exc, Throttled) else "lease store unreachable"
+        request.request_dict["lease_skip"] = f"{what}, re-queued to run in {delay:g}s"
         try:
             from .recovery import publish_raw
             publish_raw(self.app, message.body, env, headers)
-            logger.warning("task %s[%s]: lease store unreachable (%s); message re-queued to run in %ss",
-                           request.task.name, request.id, exc, delay)
         except Exception as publish_exc:  # noqa: BLE001 - the message must not be lost quietly
             request.request_dict["lease_skip"] = None
             request.request_dict["lease_unavailable"] = f"{exc}; re-queue failed: {publish_exc!r}"
-            logger.error("task %s[%s]: lease store unreachable and the delayed copy could not be "
-                         "published: %r", request.task.name, request.id, publish_exc)
+            logger.error("task %s[%s]: %s and the delayed copy could not be published: %r",
+                         request.task.name, request.id, what, publish_exc)
+            return
+        # One line per task when it goes unreachable (here, unless receipt already
+        # said so), not one per copy; a postponement is rare and always said.
+        first = not requeues and not isinstance(exc, Throttled)
+        loud = isinstance(exc, Throttled) or (first and not request.__dict__.get("_lease_warned"))
+        logger.log(logging.WARNING if loud else logging.DEBUG,
+                   "task %s[%s]: %s (%s); message re-queued to run in %gs (ETA %s by the %s)%s",
+                   request.task.name, request.id, what, exc, delay, headers["eta"], source,
+                   "; its later re-queues are logged at DEBUG until it runs" if first else "")
+        self._refused(request)
 
     # -- heartbeat hooks --------------------------------------------------
 
@@ -409,6 +535,21 @@ class LeaseWorker:
                         logger.info("celery-leases: recovery pass: %s", report.as_dict())
             except Exception:  # noqa: BLE001 - logged; the next interval tries again
                 logger.exception("celery-leases: fallback recovery pass failed; retrying next interval")
+
+
+class _ParkLater:
+    """A delivery that must be parked, but parking failed at receipt: tried again when due."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _bytes_or_empty(body: Any) -> bytes:
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body)
+    if isinstance(body, str):
+        return body.encode("utf-8", "surrogatepass")
+    return b""
 
 
 class LeaseStep(bootsteps.StartStopStep):

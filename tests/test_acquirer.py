@@ -24,6 +24,7 @@ from celery_leases.resp import pack
 from celery_leases.config import get_config
 from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
 from celery_leases.processes import RedisServer
+from celery_leases.receipt import MalformedMessage
 from celery_leases.store import Acquisition
 from celery_leases.worker import LeaseWorker
 
@@ -196,6 +197,85 @@ def test_a_lost_connection_fails_every_waiting_job_and_the_next_one_reconnects(t
         server.stop()
 
 
+def _own_tokens(store: LeaseStore, results: list) -> None:
+    """Every job handed an Acquisition got its own task's token (never a neighbour's)."""
+    for task_id, result in results:
+        if isinstance(result, Acquisition):
+            assert result.owned and store.get(task_id).token == result.token, (task_id, result)
+
+
+@pytest.mark.parametrize("bad_id", [None, 1.5, "bad-\ud800", b"\xff", ["a"]],
+                         ids=["null", "float", "lone-surrogate", "bytes-not-utf8", "list"])
+def test_an_acquire_that_cannot_be_packed_fails_alone_and_later_replies_stay_matched(store, bad_id):
+    # Given ordinary acquires around one whose task id the wire cannot carry (issue #14.1)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    before = [f"b{i}-{uuid.uuid4()}" for i in range(3)]
+    after = [f"a{i}-{uuid.uuid4()}" for i in range(4)]
+    for task_id in before:
+        acquirer.submit(job(results, task_id))
+    # When the bad one is submitted (while the first reply is still to come), then more
+    acquirer.submit(job(results, bad_id))
+    for task_id in after:
+        acquirer.submit(job(results, task_id))
+    while len(results) < len(before) + len(after) + 1:
+        wait_readable(hub)
+    # Then the bad job alone fails, at once, as a malformed message naming the id
+    bad = [result for task_id, result in results if task_id is bad_id]
+    assert len(bad) == 1 and isinstance(bad[0], MalformedMessage) and repr(bad_id) in str(bad[0])
+    # ... and every other acquire gets its own record's token, in order, all acquired
+    good = [(task_id, result) for task_id, result in results if task_id is not bad_id]
+    assert [task_id for task_id, _ in good] == before + after
+    _own_tokens(store, good)
+    assert acquirer.pending == 0 and acquirer.sent == len(before) + len(after)
+
+
+def test_an_unpackable_envelope_fails_only_its_own_acquire(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    bad = Job({"task_id": "e-" + str(uuid.uuid4()), "owner": "w1", "body": b"x",
+               "envelope": {"headers": {"not json": {1, 2}}}},
+              lambda j, result: results.append((j.call["task_id"], result)))
+    ids = [f"e{i}-{uuid.uuid4()}" for i in range(3)]
+    acquirer.submit(job(results, ids[0]))
+    acquirer.submit(bad)
+    acquirer.submit(job(results, ids[1]))
+    acquirer.submit(job(results, ids[2]))
+    while len(results) < 4:
+        wait_readable(hub)
+    by_id = dict(results)
+    assert isinstance(by_id[bad.call["task_id"]], MalformedMessage)
+    assert by_id[bad.call["task_id"]].field == "envelope"
+    _own_tokens(store, [(t, by_id[t]) for t in ids])
+    assert all(by_id[t].owned for t in ids)
+
+
+def test_a_reply_out_of_step_resets_the_connection_and_hands_out_no_token(store):
+    # Given an acquirer whose connection carries a reply no job asked for (a desync)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    acquirer.submit(job(results, first := f"f-{uuid.uuid4()}"))
+    wait_readable(hub)
+    assert results.pop()[1].owned and store.get(first)
+    acquirer._sock.sendall(pack("PING"))
+    # When acquires go out behind it
+    ids = [f"o{i}-{uuid.uuid4()}" for i in range(3)]
+    for task_id in ids:
+        acquirer.submit(job(results, task_id))
+    acquirer.flush(timeout=5)
+    # Then no job is handed a reply that is not its own: all are "store unreachable"
+    # (tried again when due), the connection is reset, nothing is pending
+    assert [task_id for task_id, _ in results] == ids
+    assert all(isinstance(result, LeaseUnavailable) for _, result in results), results
+    assert acquirer.pending == 0 and acquirer._sock is None and not hub.readers
+    # ... and the next acquire gets a fresh connection and its own token
+    results.clear()
+    acquirer.submit(job(results, again := f"g-{uuid.uuid4()}"))
+    wait_readable(hub)
+    _own_tokens(store, results)
+    assert results[0][0] == again and results[0][1].owned
+
+
 # -- the worker side: deferred hand-over to the pool, dropped requests --------------------------
 
 @pytest.fixture
@@ -222,12 +302,21 @@ class Request:
     """What LeaseWorker reads of a Celery request, and a pool hand-over that records its token."""
 
     def __init__(self, task: Any, message: Any) -> None:
-        self.id, self.task, self.message, self.name = str(uuid.uuid4()), task, message, task.name
+        self.id, self.task, self.name = str(uuid.uuid4()), task, task.name
+        # A message of its own id (the worker checks the headers carry the request's id).
+        self.message = kombu.Message(body=message.body, headers={**message.headers, "id": self.id},
+                                     properties=message.properties, delivery_info=message.delivery_info,
+                                     content_type=message.content_type,
+                                     content_encoding=message.content_encoding)
         self.request_dict: dict = {"retries": 0}
         self.executed_with: list = []
+        self.acknowledged = False
 
     def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
         self.executed_with.append(self.request_dict.get("lease_token"))
+
+    def acknowledge(self) -> None:
+        self.acknowledged = True
 
 
 def test_a_request_is_handed_to_its_pool_only_once_its_lease_is_held(lease_worker):

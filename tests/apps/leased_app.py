@@ -43,6 +43,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_worker_recovery=get("LEASES_TEST_WORKER_RECOVERY", "0") == "1",
         leases_on_lost=get("LEASES_TEST_ON_LOST", "flag"),
         leases_unavailable_retry_delay=float(get("LEASES_TEST_UNAVAILABLE_DELAY", "5")),
+        leases_unavailable_retry_max_delay=float(get("LEASES_TEST_UNAVAILABLE_MAX_DELAY", "300")),
+        leases_deliveries_per_minute=int(get("LEASES_TEST_DELIVERIES_PER_MINUTE", "20")),
         leases_dead_letter_queue=get("LEASES_TEST_DLQ") or None,
         task_acks_late=acks_late,
         task_reject_on_worker_lost=acks_late,

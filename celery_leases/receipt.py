@@ -1,0 +1,212 @@
+"""The rules a delivery meets at receipt, before it may reach the lease store.
+
+The worker (worker.py) decides *when*; this module holds *what*: which
+messages are malformed (and in which field), how many deliveries of one task
+id a worker admits per minute, how long a re-queued copy waits, and which
+clock its ETA comes from. Errors at receipt fall in two classes
+(docs/celery.md, "Errors at receipt"):
+
+- transient (``LeaseUnavailable``: unreachable, READONLY, timeouts): the
+  delivery is tried again when due, then re-queued with a growing delay;
+- permanent (anything else: a malformed message, a corrupt record, a script
+  error): the delivery is parked, never re-queued.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from datetime import datetime, timedelta, timezone
+from time import monotonic
+from typing import Any, Callable
+
+from .exceptions import LeaseError
+
+__all__ = ["MalformedMessage", "Throttled", "validate_message", "DeliveryWindow",
+           "requeue_delay", "ServerClock", "REQUEUES_HEADER", "usable_id", "describe", "eta_after"]
+
+#: Header of a copy re-queued because the lease store was unreachable: how many
+#: times this delivery was re-queued so far (the backoff exponent).
+REQUEUES_HEADER = "lease_requeues"
+
+#: Largest integer a header may carry: Lua numbers are doubles, exact below 2^53.
+_MAX_INT = 2 ** 53
+
+
+class MalformedMessage(LeaseError):
+    """Raised when a delivery of a leased task cannot be leased as it is (bad id, header, body).
+
+    ``field`` names the part of the message at fault (``id``, ``headers``,
+    ``lease_generation``, ``retries``, ``body``, ``envelope``).
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        self.field = field
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (self.__class__, (str(self), self.field))
+
+
+class Throttled(LeaseError):
+    """Raised when a task id had more deliveries this minute than a worker admits."""
+
+
+def describe(request: Any) -> str:
+    """``name[id]`` of a delivery for messages: the id as repr when it is not a plain string."""
+    task_id = getattr(request, "id", None)
+    shown = task_id if usable_id(task_id) else repr(task_id)
+    return f"{getattr(request, 'name', None) or getattr(request.task, 'name', '?')}[{shown}]"
+
+
+def usable_id(task_id: Any) -> bool:
+    """True for an id that can be a Redis key and travel in RESP: a non-empty UTF-8 string."""
+    if not isinstance(task_id, str) or not task_id:
+        return False
+    try:
+        task_id.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: Redis keys and RESP need real UTF-8
+        return False
+    return True
+
+
+def _integer_header(headers: Any, name: str, what: str) -> None:
+    value = headers.get(name)
+    if value is None:
+        return
+    if type(value) is not int or not 0 <= value < _MAX_INT:
+        raise MalformedMessage(f"{what}: header {name} must be a non-negative integer, "
+                               f"got {value!r}", field=name)
+
+
+def validate_message(request: Any) -> None:
+    """Raise MalformedMessage naming the delivery and the field unless it can be leased.
+
+    Cheap (type checks and one encode), since every delivery of a leased
+    task passes here: the id must be a non-empty UTF-8 string and the one in
+    the headers (recovery re-publishes those headers, so they must carry it),
+    the lease headers integers, the body bytes.
+    """
+    task_id = request.id
+    what = f"task {describe(request)}"
+    if not usable_id(task_id):
+        kind = "missing" if task_id is None else (
+            "empty" if task_id == "" else "not a string" if not isinstance(task_id, str)
+            else "not valid UTF-8 (a lone surrogate)")
+        raise MalformedMessage(f"{what}: the task id is {kind}: {task_id!r}", field="id")
+    message = request.message
+    headers = message.headers
+    if not isinstance(headers, dict):
+        raise MalformedMessage(f"{what}: the message has no headers (got {headers!r}); a leased "
+                               f"task needs Celery's message protocol 2", field="headers")
+    if headers.get("id") != task_id:
+        raise MalformedMessage(f"{what}: header id is missing or differs from the task id: "
+                               f"{headers.get('id')!r}", field="id")
+    _integer_header(headers, "lease_generation", what)
+    _integer_header(headers, REQUEUES_HEADER, what)
+    _integer_header(request.request_dict, "retries", what)
+    if not isinstance(message.body, (bytes, bytearray, str)):
+        raise MalformedMessage(f"{what}: the message body is not bytes: {type(message.body).__name__}",
+                               field="body")
+
+
+class DeliveryWindow:
+    """At most ``limit`` admitted deliveries per task id in any ``window`` seconds, in this process.
+
+    In memory, so it holds when Redis is down. A sliding log per id (at most
+    ``limit`` monotonic timestamps); ids idle for a whole window are dropped
+    as new deliveries come in, so the table holds only ids seen in the last
+    window. Deliveries it refuses are not counted: a postponed copy comes
+    back once the window has room.
+    """
+
+    def __init__(self, limit: int, window: float = 60.0, clock: Callable[[], float] = monotonic) -> None:
+        self.limit, self.window, self.clock = limit, window, clock
+        self._seen: OrderedDict[str, deque] = OrderedDict()
+
+    def admit(self, task_id: str) -> float:
+        """0.0 when the delivery is admitted (and counted), else seconds until the window has room."""
+        now = self.clock()
+        seen = self._seen
+        # Forget ids whose last delivery left the window (oldest touched first).
+        while seen:
+            oldest = next(iter(seen.values()))
+            if now - oldest[-1] < self.window:
+                break
+            seen.popitem(last=False)
+        times = seen.get(task_id)
+        if times is None:
+            seen[task_id] = deque((now,), maxlen=self.limit)
+            return 0.0
+        seen.move_to_end(task_id)
+        if len(times) >= self.limit:
+            wait = self.window - (now - times[0])
+            if wait > 0:
+                return wait
+        times.append(now)
+        return 0.0
+
+    def room_in(self, task_id: str) -> float:
+        """Seconds until ``task_id`` may be admitted again (0.0: now); counts nothing."""
+        times = self._seen.get(task_id)
+        if times is None or len(times) < self.limit:
+            return 0.0
+        return max(0.0, self.window - (self.clock() - times[0]))
+
+
+def requeue_delay(base: float, cap: float, requeues: int) -> float:
+    """``base`` * 2^requeues, at most ``cap`` (and never below ``base``)."""
+    return min(base * 2.0 ** min(requeues, 64), max(cap, base))
+
+
+class ServerClock:
+    """The lease store's clock, read when the store answers and carried forward by ``monotonic``.
+
+    A re-queued copy's ETA must not come from the worker's wall clock (a
+    worker an hour fast would delay its copies by an hour). The store's
+    server clock is the reference every deadline already uses; between
+    readings the worker's monotonic clock measures the time passed, which
+    neither a wrong wall clock nor an NTP step changes.
+    """
+
+    def __init__(self, read_ms: Callable[[], int], clock: Callable[[], float] = monotonic) -> None:
+        self.read_ms, self.clock = read_ms, clock
+        self._at: tuple[int, float] | None = None
+
+    def sample(self) -> int:
+        """Read the server clock now (raises the store's LeaseError when it does not answer)."""
+        ms = int(self.read_ms())
+        self._at = (ms, self.clock())
+        return ms
+
+    def estimate_ms(self) -> int | None:
+        """The server clock now, from the last reading; None before the first."""
+        if self._at is None:
+            return None
+        ms, at = self._at
+        return ms + int((self.clock() - at) * 1000)
+
+    def now(self, read: bool) -> tuple[datetime, str]:
+        """The server's now as an aware UTC datetime, and where it came from.
+
+        ``read``: the store is expected to answer, so read it; otherwise (or
+        when the read fails) carry the last reading forward.
+        """
+        if read:
+            try:
+                return _utc(self.sample()), "server clock"
+            except LeaseError:
+                pass
+        estimate = self.estimate_ms()
+        if estimate is not None:
+            return _utc(estimate), "server clock (last reading + monotonic time)"
+        # Never read (the store was unreachable since this process started): the
+        # only clock left. Said in the log line so a skewed worker can be found.
+        return datetime.now(timezone.utc), "worker wall clock (the store's clock was never read)"
+
+
+def _utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000.0, timezone.utc)
+
+
+def eta_after(now: datetime, seconds: float) -> str:
+    """The ``eta`` header value (ISO 8601, UTC) ``seconds`` after ``now``."""
+    return (now + timedelta(seconds=seconds)).isoformat()
