@@ -29,11 +29,12 @@ from .acquirer import Acquirer, Job
 from .checks import run_checks
 from .codes import Code
 from .config import LeaseConfig, get_config
-from .exceptions import LeaseError, LeaseUnavailable
+from .exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .signals import delivery_refused, lease_acquired, lease_lost
+from .startup import refuse_if_misconfigured, refuse_if_unreachable, wait_for_store
 from .store import Acquisition
 
 logger = logging.getLogger("celery_leases.worker")
@@ -84,11 +85,9 @@ class LeaseWorker:
     # -- lifecycle --------------------------------------------------------
 
     def start(self) -> None:
-        # Fail at worker start, naming the URL's setting, when Redis is not there.
-        try:
-            self.store.server_time_ms()
-        except LeaseUnavailable as exc:
-            raise LeaseUnavailable(f"leases_redis_url: {exc}") from exc
+        # Wait for the lease store like Celery waits for its broker at start;
+        # past the retries this raises LeaseUnavailable naming leases_redis_url.
+        wait_for_store(self.app, self.store.server_time_ms)
         # Scripts are read once, here: the pool processes inherit them, and a
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()
@@ -422,6 +421,17 @@ class LeaseStep(bootsteps.StartStopStep):
         self.lease_worker: LeaseWorker | None = None
 
     def create(self, w: Any) -> "LeaseStep":
+        # Nothing here may raise: an exception in a bootstep's create escapes
+        # WorkController.__init__ as a traceback. A broken setting is reported
+        # once by the start-up check (startup.py), which stops the worker.
+        self._w = w
+        try:
+            self.lease_worker = self._build(w)
+        except (ConfigurationError, LeaseUnavailable):
+            self.lease_worker = None  # start() reports it, or waits for the store
+        return self
+
+    def _build(self, w: Any) -> LeaseWorker:
         config = get_config(w.app)
         # The acquire waits for Redis only where the event loop does not run
         # task bodies: prefork and threads. Elsewhere (solo, gevent, eventlet,
@@ -429,15 +439,23 @@ class LeaseStep(bootsteps.StartStopStep):
         hub = getattr(w, "hub", None) if getattr(w, "use_eventloop", False) else None
         if type(w.pool).__module__ not in ("celery.concurrency.prefork", "celery.concurrency.thread"):
             hub = None
-        self.lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
-                                        quick_release=getattr(w, "_quick_release", None),
-                                        prefork=type(w.pool).__module__ == "celery.concurrency.prefork")
-        set_worker(w.app, self.lease_worker)
-        return self
+        lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
+                                   quick_release=getattr(w, "_quick_release", None),
+                                   prefork=type(w.pool).__module__ == "celery.concurrency.prefork")
+        set_worker(w.app, lease_worker)
+        return lease_worker
 
     def start(self, w: Any) -> None:
-        assert self.lease_worker is not None
-        self.lease_worker.start()
+        # Blocks the worker's start sequence: the consumer (started last) receives nothing
+        # until the configuration passed and the lease store answered.
+        refuse_if_misconfigured(w.app)
+        try:
+            if self.lease_worker is None:  # the store's client could not be built (a cluster down)
+                wait_for_store(w.app, lambda: get_store(w.app).server_time_ms())
+                self.lease_worker = self._build(w)
+            self.lease_worker.start()
+        except LeaseUnavailable as exc:
+            refuse_if_unreachable(w.app, exc)
 
     def stop(self, w: Any) -> None:
         # Warm shutdown: running tasks are still finishing in the pool, so the
