@@ -188,7 +188,7 @@ class LeaseConfig:
     def check_worker(self) -> "LeaseConfig":
         """Raise ConfigurationError naming every invalid worker-only setting."""
         if self.worker_errors:
-            raise ConfigurationError(_joined(self.worker_errors))
+            raise _error(self.worker_errors)
         return self
 
     def validate(self) -> "LeaseConfig":
@@ -204,14 +204,14 @@ class LeaseConfig:
             errors.append(f"leases_heartbeat_interval ({self.heartbeat_interval:g}) must be below "
                           f"leases_ttl ({self.ttl:g}); ttl / 3 is a safe choice")
         if errors:
-            raise ConfigurationError(_joined(errors))
+            raise _error(errors)
         return self
 
     def for_task(self, task: Any) -> "LeaseConfig":
         """This config with the task's ``lease_*`` overrides applied (validated)."""
         errors, config = task_option_errors(task, self)
         if errors:
-            raise ConfigurationError(_joined(errors))
+            raise _error(errors)
         return config
 
 
@@ -219,6 +219,13 @@ def _joined(errors: "list[str] | tuple[str, ...]") -> str:
     if len(errors) == 1:
         return errors[0]
     return f"{len(errors)} problems: " + "; ".join(errors)
+
+
+def _error(errors: "list[str] | tuple[str, ...]") -> ConfigurationError:
+    """One ConfigurationError for all ``errors``; ``.problems`` keeps them apart."""
+    exc = ConfigurationError(_joined(errors))
+    exc.problems = tuple(errors)  # type: ignore[attr-defined]
+    return exc
 
 
 def _task_option_names(task: Any) -> list[str]:
@@ -312,7 +319,7 @@ def build_config(app: Any, **overrides: Any) -> LeaseConfig:
     except ConfigurationError as exc:
         if not namespace:
             raise
-        raise ConfigurationError(as_written(str(exc))) from None
+        raise _error([as_written(e) for e in getattr(exc, "problems", (str(exc),))]) from None
     if namespace and config.worker_errors:
         config = replace(config, worker_errors=tuple(as_written(e) for e in config.worker_errors))
     return config
@@ -355,7 +362,7 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
     options, source = _transport_options(conf, redis_url, raw("redis_transport_options"))
     client_errors += _store_errors(redis_url, options, source)
     if client_errors:
-        raise ConfigurationError(_joined(client_errors))
+        raise _error(client_errors)
     return LeaseConfig(redis_url=redis_url, redis_transport_options=options,
                        transport_options_setting=source, worker_errors=tuple(worker_errors), **values)
 

@@ -65,9 +65,12 @@ def problems(app: Any) -> list[str]:
     found: list[str] = []
     config = None
     try:
-        config = client_config(app).check_worker()
+        config = client_config(app)
     except ConfigurationError as exc:
-        found.append(str(exc))
+        found += getattr(exc, "problems", (str(exc),))
+    else:
+        found += config.worker_errors
+        config = None if config.worker_errors else config
     for task in sorted(tasks, key=lambda t: t.name or ""):
         found += task_option_errors(task, config)[0]
     return found
@@ -153,9 +156,9 @@ def wait_for_store(app: Any, probe: Callable[[], T], *, sleep: Callable[[float],
                                        f"{exc}") from None
             attempt += 1
             interval = next(intervals)
-            logger.error("celery-leases: Cannot connect to the lease store %s (leases_redis_url): "
-                         "%s.\nTrying again %s... (%d/%s)", url, exc, _humanize(interval), attempt,
-                         max_retries)
+            logger.error("celery-leases: Cannot connect to %s (leases_redis_url): %s.\n"
+                         "Trying again %s... (%d/%s)", url, str(exc).rstrip("."), _humanize(interval),
+                         attempt, max_retries)
             deadline = time.monotonic() + interval
             while True:
                 check_shutdown()

@@ -77,6 +77,10 @@ class LeasedTask(Task):
         super().on_bound(app)
         if cls.__dict__.get("abstract") or not getattr(cls, "name", None):
             return
+        if getattr(app.loader, "worker_initialized", False):
+            # A worker finalizing its app: a raise here would escape as a traceback
+            # from WorkController.__init__; the start-up check refuses it in one line.
+            return
         config = None
         try:
             config = client_config(app)
