@@ -15,15 +15,14 @@ import sys
 import time
 
 import pytest
-import redis
-
 import celery_leases
 from celery_leases.processes import free_port
-EX_CONFIG, EX_UNAVAILABLE = os.EX_CONFIG, os.EX_UNAVAILABLE  # what the worker exits with (startup.py)
 from tests.redis_server import RedisServer
 from tests.workers import ROOT, Worker, wait_for
 
 APP = "tests.apps.misuse_app"
+#: What a refused worker exits with (celery_leases/startup.py).
+EX_CONFIG, EX_UNAVAILABLE = os.EX_CONFIG, os.EX_UNAVAILABLE
 
 
 @pytest.fixture
