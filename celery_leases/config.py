@@ -391,7 +391,10 @@ def _unknown_settings(conf: Any, overrides: Mapping[str, Any]) -> list[tuple[str
     """Misspelt settings: ``leases_*`` keys that are no setting (and ``lease_*`` ones, a
     likely slip), each with the closest known name. A slip counts on the side
     (client or worker) of the setting it most likely meant."""
-    known = [f"leases_{field}" for field in SETTINGS]
+    # LeaseConfig's fields too, so a setting added there is never refused as unknown.
+    internal = {"transport_options_setting", "worker_errors"}
+    known = sorted({f"leases_{field}" for field in SETTINGS}
+                   | {f"leases_{f.name}" for f in dataclasses.fields(LeaseConfig) if f.name not in internal})
     try:
         keys = list(conf.keys())
     except Exception:  # noqa: BLE001 - a conf without keys() (a plain mapping stand-in)
@@ -404,7 +407,7 @@ def _unknown_settings(conf: Any, overrides: Mapping[str, Any]) -> list[tuple[str
             continue
         close = difflib.get_close_matches(lowered, known, n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else ""
-        side = SETTINGS[close[0][len("leases_"):]][1] if close else _WORKER
+        side = SETTINGS.get(close[0][len("leases_"):], (None, _WORKER))[1] if close else _WORKER
         found.append((f"{key if key.isupper() else lowered}: unknown setting{hint}", side))
     return found
 

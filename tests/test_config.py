@@ -252,3 +252,28 @@ def test_django_namespace_errors_name_the_setting_as_written():
     app.config_from_object(Broken, namespace="CELERY")
     with pytest.raises(ConfigurationError, match="CELERY_LEASES_TTL"):
         get_config(app)
+
+
+def test_beat_reports_a_broken_worker_setting_and_schedules_no_recovery(caplog):
+    from celery.signals import beat_init
+    app = make_app(leases_recovery_interval=0)
+    celery_leases.install(app)
+    app.loader.import_default_modules()
+    assert "celery_leases.recover" not in (app.conf.beat_schedule or {})
+
+    class Beat:  # beat_init's sender is beat's Service, which carries the app
+        pass
+    beat = Beat()
+    beat.app = app
+    with caplog.at_level(logging.ERROR, logger="celery_leases.install"):
+        beat_init.send(sender=beat)
+    [record] = [r for r in caplog.records if "leases_recovery_interval" in r.getMessage()]
+    assert "beat does not schedule celery_leases.recover" in record.getMessage()
+
+
+def test_the_key_layout_refuses_what_the_setting_refuses():
+    from celery_leases.keys import Keys
+    for prefix in ("", "a\tb", "a b", "a\nb", "{a}", "a\x00"):
+        with pytest.raises(ValueError, match="leases_key_prefix must be a non-empty string"):
+            Keys(prefix)
+    assert Keys("orders:v2").tag == "{orders:v2}"

@@ -129,6 +129,30 @@ def test_a_leased_task_run_by_a_worker_without_a_lease_fails_and_its_body_never_
     assert bodies == []
 
 
+def test_celerys_in_process_test_worker_without_install_fails_the_task_unrun(redis_server_url, key_prefix):
+    # Celery's in-process test worker sends no celeryd_after_setup, and without install(app)
+    # there is no Leases bootstep: the start-up check cannot run, the fallback must hold.
+    from celery import Celery
+    from celery.contrib.testing.worker import start_worker
+
+    app = Celery("inproc", broker=redis_server_url, backend=redis_server_url, set_as_current=False)
+    app.conf.update(task_default_queue=key_prefix, broker_connection_retry_on_startup=True)
+    bodies = []
+
+    @app.task(base=celery_leases.LeasedTask, bind=True, shared=False, name="inproc.charge")
+    def charge(self):
+        bodies.append(self.request.id)
+        return "charged"
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        result = charge.delay()
+        with pytest.raises(celery_leases.ConfigurationError,
+                           match=r"task inproc\.charge\[.*\] not run: .*celery_leases\.install\(app\) was not called"):
+            result.get(timeout=20)
+    assert bodies == []
+    app.close()
+
+
 # -- task options ---------------------------------------------------------------------------------
 
 
