@@ -388,8 +388,8 @@ def _store_errors(url: Any, options: Any, source: str) -> list[str]:
 
 
 def _unknown_settings(conf: Any, overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Misspelt settings: ``leases_*`` keys that are no setting (and ``lease_*`` ones, a
-    likely slip), each with the closest known name. A slip counts on the side
+    """Misspelt settings: ``leases_*`` keys that are no setting, and ``lease_<setting>``
+    (a slip of ``leases_<setting>``), each with the closest known name. A slip counts on the side
     (client or worker) of the setting it most likely meant."""
     # LeaseConfig's fields too, so a setting added there is never refused as unknown.
     internal = {"transport_options_setting", "worker_errors"}
@@ -405,6 +405,8 @@ def _unknown_settings(conf: Any, overrides: Mapping[str, Any]) -> list[tuple[str
         lowered = _setting_name(key)
         if lowered is None or lowered in known:
             continue
+        if not lowered.startswith("leases_") and "leases_" + lowered[len("lease_"):] not in known:
+            continue  # lease_* is not our namespace: only the plain slip (lease_ttl) is flagged
         close = difflib.get_close_matches(lowered, known, n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else ""
         side = SETTINGS.get(close[0][len("leases_"):], (None, _WORKER))[1] if close else _WORKER

@@ -82,10 +82,8 @@ def refuse_if_misconfigured(app: Any) -> None:
         return
     found = problems(app)
     if found:
-        logger.critical("celery-leases: worker not started: %s",
-                        found[0] if len(found) == 1 else
-                        f"{len(found)} problems:\n  - " + "\n  - ".join(found))
-        raise SystemExit(EX_CONFIG)
+        refuse(found[0] if len(found) == 1 else f"{len(found)} problems:\n  - " + "\n  - ".join(found),
+               EX_CONFIG)
     _checked.add(app)
 
 
@@ -168,10 +166,10 @@ def wait_for_store(app: Any, probe: Callable[[], T], *, sleep: Callable[[float],
                 sleep(min(0.2, left))
 
 
-def refuse_if_unreachable(app: Any, exc: LeaseUnavailable) -> None:
-    """The lease store never answered at start: one CRITICAL line, then exit (EX_UNAVAILABLE)."""
-    logger.critical("celery-leases: worker not started: %s", exc)
-    raise SystemExit(EX_UNAVAILABLE)
+def refuse(message: str, code: int) -> None:
+    """Stop a worker at start: one CRITICAL line, then SystemExit(code) (a clean stop)."""
+    logger.critical("celery-leases: worker not started: %s", message)
+    raise SystemExit(code)
 
 
-__all__ = ["problems", "refuse_if_misconfigured", "wait_for_store", "EX_CONFIG", "EX_UNAVAILABLE"]
+__all__ = ["problems", "refuse", "refuse_if_misconfigured", "wait_for_store", "EX_CONFIG", "EX_UNAVAILABLE"]

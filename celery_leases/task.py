@@ -153,7 +153,8 @@ class LeasedTask(Task):
         return retval
 
     def _unleased_error(self, request: Any) -> ConfigurationError:
-        """Why a worker's delivery has no lease: install(app) missing, a bad option, or see the log."""
+        """Why a worker's delivery has no lease: install(app) missing, a bad option, or see the log.
+        (Celery's tracer logs the failure with this message.)"""
         if not getattr(self.app, "_celery_leases_installed", False):
             why = startup.not_installed_message([self.name])
         else:
@@ -163,7 +164,6 @@ class LeasedTask(Task):
                        "for the error at receipt)")
             except ConfigurationError as exc:
                 why = str(exc)
-        logger.error("task %s[%s]: not run: %s", self.name, request.id, why)
         return ConfigurationError(f"task {self.name}[{request.id}] not run: {why}")
 
     def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,

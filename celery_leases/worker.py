@@ -34,7 +34,7 @@ from .heartbeat import Heartbeat, Held
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .signals import delivery_refused, lease_acquired, lease_lost
-from .startup import refuse_if_misconfigured, refuse_if_unreachable, wait_for_store
+from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured, wait_for_store
 from .store import Acquisition
 
 logger = logging.getLogger("celery_leases.worker")
@@ -424,7 +424,6 @@ class LeaseStep(bootsteps.StartStopStep):
         # Nothing here may raise: an exception in a bootstep's create escapes
         # WorkController.__init__ as a traceback. A broken setting is reported
         # once by the start-up check (startup.py), which stops the worker.
-        self._w = w
         try:
             self.lease_worker = self._build(w)
         except (ConfigurationError, LeaseUnavailable):
@@ -454,8 +453,10 @@ class LeaseStep(bootsteps.StartStopStep):
                 wait_for_store(w.app, lambda: get_store(w.app).server_time_ms())
                 self.lease_worker = self._build(w)
             self.lease_worker.start()
+        except ConfigurationError as exc:  # what only building the client finds (a URL that does not parse)
+            refuse(str(exc), EX_CONFIG)
         except LeaseUnavailable as exc:
-            refuse_if_unreachable(w.app, exc)
+            refuse(str(exc), EX_UNAVAILABLE)
 
     def stop(self, w: Any) -> None:
         # Warm shutdown: running tasks are still finishing in the pool, so the

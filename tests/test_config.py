@@ -93,6 +93,12 @@ def test_an_unknown_worker_side_setting_is_named_with_the_closest_one(setting, m
         get_config(app)
 
 
+def test_other_lease_prefixed_settings_are_not_ours():
+    app = make_app(lease_duration=5, leasehold="x")   # a project's own settings
+    celery_leases.install(app)
+    get_config(app)
+
+
 def test_an_unknown_publisher_side_setting_fails_install():
     app = make_app(leases_key_prefx="orders")
     with pytest.raises(ConfigurationError,

@@ -266,6 +266,16 @@ def test_a_worker_whose_lease_store_never_answers_exits_with_one_line(env, redis
     assert ran(redis_client, key_prefix) == []
 
 
+def test_a_lease_store_url_that_does_not_parse_stops_the_worker_in_one_line(env, redis_client, key_prefix,
+                                                                          tmp_path):
+    env = {**env, "MISUSE_LEASES_URL": "redis://:s3cret@127.0.0.1:port/0"}
+    queue_leased_task({**env, "MISUSE_LEASES_URL": env["MISUSE_BROKER"]})
+    code, log = refused(env, tmp_path)
+    assert_refused_once(code, log, EX_CONFIG, "leases_redis_url redis://:***@127.0.0.1:port/0 is not a valid URL")
+    assert "s3cret" not in log
+    assert ran(redis_client, key_prefix) == [] and queued(redis_client, key_prefix) == 1
+
+
 def test_a_worker_waiting_for_its_lease_store_stops_on_sigterm(env, tmp_path):
     env = {**env, "MISUSE_LEASES_URL": f"redis://127.0.0.1:{free_port()}/0"}
     worker = launch(Worker("sigterm", env, app=APP, concurrency=1, log_dir=tmp_path))
