@@ -4,6 +4,13 @@ Precedence: task attribute or ``@app.task(lease_ttl=...)`` option > ``app.conf``
 ``leases_*`` > default (``defaults.py``). ``app.conf`` lookups honour a
 ``config_from_object(..., namespace="CELERY")`` namespace, so Django projects
 write ``CELERY_LEASES_TTL``.
+
+Validation is split by who uses a setting (``SETTINGS``): an error in one a
+publisher uses raises at once; an error in a worker-only one is kept in
+``LeaseConfig.worker_errors`` and raised by ``get_config`` / at worker start,
+so a process that only publishes never fails on it. Every rule's message
+states the rule, and every error names the setting (or task and option) and
+the value.
 """
 from __future__ import annotations
 
@@ -154,10 +161,6 @@ _DEFAULTS = {
 }
 
 
-def _shown(value: Any) -> str:
-    return repr(value)
-
-
 @dataclass(frozen=True)
 class LeaseConfig:
     # Not in repr: URLs and options can hold passwords (connection.redact is the way out).
@@ -189,22 +192,6 @@ class LeaseConfig:
         """Raise ConfigurationError naming every invalid worker-only setting."""
         if self.worker_errors:
             raise _error(self.worker_errors)
-        return self
-
-    def validate(self) -> "LeaseConfig":
-        """Raise ConfigurationError naming every invalid value of this config."""
-        errors = []
-        for field, (rule, _) in SETTINGS.items():
-            if rule is not None:
-                try:
-                    rule(getattr(self, field), True)
-                except _Invalid as exc:
-                    errors.append(f"leases_{field} {exc}, got {_shown(getattr(self, field))}")
-        if not errors and self.heartbeat_interval >= self.ttl:
-            errors.append(f"leases_heartbeat_interval ({self.heartbeat_interval:g}) must be below "
-                          f"leases_ttl ({self.ttl:g}); ttl / 3 is a safe choice")
-        if errors:
-            raise _error(errors)
         return self
 
     def for_task(self, task: Any) -> "LeaseConfig":
@@ -243,9 +230,12 @@ def task_option_errors(task: Any, config: "LeaseConfig | None") -> "tuple[list[s
     name = getattr(task, "name", None) or getattr(task, "__name__", "?")
     errors: list[str] = []
     changes: dict[str, Any] = {}
+    leased = getattr(task, "leased", False)
     for attr in _task_option_names(task):
         value = getattr(task, attr, None)
         field = TASK_OPTIONS.get(attr)
+        if field is None and not leased:
+            continue  # a plain task's own attribute: only our option names are a slip there
         if field is None:
             close = difflib.get_close_matches(attr, TASK_OPTIONS, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(TASK_OPTIONS)})"
@@ -253,8 +243,8 @@ def task_option_errors(task: Any, config: "LeaseConfig | None") -> "tuple[list[s
             continue
         if value is None:
             continue
-        if not getattr(task, "leased", False):
-            errors.append(f"task {name}: {attr}={_shown(value)} is set but the task is not leased; "
+        if not leased:
+            errors.append(f"task {name}: {attr}={value!r} is set but the task is not leased; "
                           f"use base=celery_leases.LeasedTask")
             continue
         rule = SETTINGS[field][0]
@@ -262,7 +252,7 @@ def task_option_errors(task: Any, config: "LeaseConfig | None") -> "tuple[list[s
         try:
             changes[field] = rule(value, True)
         except _Invalid as exc:
-            errors.append(f"task {name}: {attr} {exc}, got {_shown(value)}")
+            errors.append(f"task {name}: {attr} {exc}, got {value!r}")
     if errors or config is None:
         return errors, None
     if not changes:
@@ -347,7 +337,7 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
             values[field] = rule(value)
         except _Invalid as exc:
             (client_errors if side == _CLIENT else worker_errors).append(
-                f"leases_{field} {exc}, got {_shown(value)}")
+                f"leases_{field} {exc}, got {value!r}")
             values[field] = _DEFAULTS[field]
     if values["heartbeat_interval"] is None:
         values["heartbeat_interval"] = values["ttl"] / 3
