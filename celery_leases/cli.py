@@ -23,7 +23,7 @@ import redis
 from celery.bin.base import CeleryCommand
 
 from .codes import ACTIVE, STATES, TERMINAL_STATES
-from .config import get_config
+from .config import client_config
 from .exceptions import CorruptRecord, LeaseError, LeaseUnavailable
 from .store import LeaseRecord, LeaseStore, Parked
 
@@ -105,7 +105,7 @@ def _store(ctx: click.Context) -> LeaseStore:
 
 
 def _prefix(ctx: click.Context) -> str:
-    return get_config(ctx.obj.app).key_prefix
+    return client_config(ctx.obj.app).key_prefix
 
 
 def _emit_json(data: Any) -> None:
@@ -314,7 +314,7 @@ def recover(ctx: click.Context, dry_run: bool, limit: int | None, as_json: bool)
         if not records:
             click.echo("nothing is due for recovery")
             return
-        max_recoveries = get_config(ctx.obj.app).max_recoveries
+        max_recoveries = client_config(ctx.obj.app).max_recoveries
         click.echo(f"{len(records)} lease(s) due for recovery (dry run: nothing claimed; a task "
                    f"recovered {max_recoveries} time(s) already becomes dead instead):")
         click.echo(table(("TASK ID", "NAME", "STATE", "OWNER", "GEN", "RECOV", "DEADLINE"),

@@ -4,14 +4,23 @@ Precedence: task attribute or ``@app.task(lease_ttl=...)`` option > ``app.conf``
 ``leases_*`` > default (``defaults.py``). ``app.conf`` lookups honour a
 ``config_from_object(..., namespace="CELERY")`` namespace, so Django projects
 write ``CELERY_LEASES_TTL``.
+
+Validation is split by who uses a setting (``SETTINGS``): an error in one a
+publisher uses raises at once; an error in a worker-only one is kept in
+``LeaseConfig.worker_errors`` and raised by ``get_config`` / at worker start,
+so a process that only publishes never fails on it. Every rule's message
+states the rule, and every error names the setting (or task and option) and
+the value.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
 import re
 import weakref
-import dataclasses
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from . import defaults
 from .connection import SCHEMES as _SCHEMES
@@ -28,6 +37,131 @@ TASK_OPTIONS = {
     "lease_max_recoveries": "max_recoveries",
     "lease_progress_timeout": "progress_timeout",
     "lease_on_lost": "on_lost",
+}
+
+
+class _Invalid(Exception):
+    """A value breaks its rule; the message is the rule ("must be ...")."""
+
+
+# -- rules: each takes a value and returns it normalised, or raises _Invalid naming the rule.
+# ``strict`` is for task options (Python code): no strings standing in for numbers.
+
+
+def _seconds(value: Any, strict: bool = False) -> float:
+    rule = "must be a positive number of seconds"
+    if isinstance(value, bool) or (strict and not isinstance(value, (int, float))):
+        raise _Invalid(rule)
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise _Invalid(rule) from None
+    if not math.isfinite(result) or result <= 0:
+        raise _Invalid(rule)
+    return result
+
+
+def _optional_seconds(value: Any, strict: bool = False) -> float | None:
+    if value is None:
+        return None
+    try:
+        return _seconds(value, strict)
+    except _Invalid:
+        raise _Invalid("must be None (off) or a positive number of seconds") from None
+
+
+def _integer(minimum: int) -> Callable[[Any, bool], int]:
+    rule = "must be a non-negative integer" if minimum == 0 else f"must be an integer >= {minimum}"
+
+    def check(value: Any, strict: bool = False) -> int:
+        if isinstance(value, bool) or not isinstance(value, int if strict else (int, str)):
+            raise _Invalid(rule)
+        try:
+            result = int(value)
+        except ValueError:
+            raise _Invalid(rule) from None
+        if result < minimum:
+            raise _Invalid(rule)
+        return result
+    return check
+
+
+def _on_lost(value: Any, strict: bool = False) -> str:
+    if value not in ("flag", "terminate"):
+        raise _Invalid("must be 'flag' or 'terminate'")
+    return value
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _boolean(value: Any, strict: bool = False) -> bool:
+    if isinstance(value, bool):
+        return value
+    if not strict and isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise _Invalid("must be a boolean")
+
+
+def _key_prefix(value: Any, strict: bool = False) -> str:
+    # Braces would end the hash tag every key is built in (Redis Cluster slots);
+    # whitespace breaks the CLI's and operators' key patterns.
+    if (not isinstance(value, str) or not value
+            or any(c.isspace() or c in "{}" or not c.isprintable() for c in value)):
+        raise _Invalid("must be a non-empty string without whitespace, braces or control characters")
+    return value
+
+
+def _queue_name(value: Any, strict: bool = False) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or value != value.strip():
+        raise _Invalid("must be None (off) or a queue name: a non-empty string without "
+                       "leading or trailing whitespace")
+    return value
+
+
+_CLIENT, _WORKER = "client", "worker"
+
+#: Every ``leases_*`` setting (without the prefix): its rule, and who uses it.
+#: "client" settings are what any process that talks to the lease store needs
+#: (publishers, the CLI, ``store(app)``): an error in one fails at ``install()``.
+#: "worker" settings are used only by workers (and beat): an error in one stops
+#: the worker at start, never ``import proj`` in a process that only publishes.
+#: ``redis_url`` and ``redis_transport_options`` (client) are checked together below.
+SETTINGS: dict[str, tuple[Callable[..., Any] | None, str]] = {
+    "redis_url": (None, _CLIENT),
+    "redis_transport_options": (None, _CLIENT),
+    "key_prefix": (_key_prefix, _CLIENT),
+    "shards": (_integer(1), _CLIENT),
+    "retention": (_seconds, _CLIENT),
+    "publish_grace": (_seconds, _CLIENT),
+    "recover_batch": (_integer(1), _CLIENT),
+    "max_recoveries": (_integer(0), _CLIENT),
+    "dead_letter_queue": (_queue_name, _CLIENT),
+    "ttl": (_seconds, _WORKER),
+    "heartbeat_interval": (_seconds, _WORKER),
+    "recovery_interval": (_seconds, _WORKER),
+    "progress_timeout": (_optional_seconds, _WORKER),
+    "on_lost": (_on_lost, _WORKER),
+    "unavailable_retry_delay": (_seconds, _WORKER),
+    "unavailable_retry_max_delay": (_seconds, _WORKER),
+    "deliveries_per_minute": (_integer(1), _WORKER),
+    "worker_recovery": (_boolean, _WORKER),
+    "beat_schedule": (_boolean, _WORKER),
+}
+
+#: Defaults of the settings that have one in defaults.py (heartbeat_interval: ttl / 3).
+_DEFAULTS = {
+    "key_prefix": defaults.KEY_PREFIX, "shards": defaults.SHARDS, "retention": defaults.RETENTION,
+    "publish_grace": defaults.PUBLISH_GRACE, "recover_batch": defaults.RECOVER_BATCH,
+    "max_recoveries": defaults.MAX_RECOVERIES, "dead_letter_queue": defaults.DEAD_LETTER_QUEUE,
+    "ttl": defaults.TTL, "heartbeat_interval": defaults.HEARTBEAT_INTERVAL,
+    "recovery_interval": defaults.RECOVERY_INTERVAL, "progress_timeout": defaults.PROGRESS_TIMEOUT,
+    "on_lost": defaults.ON_LOST, "unavailable_retry_delay": defaults.UNAVAILABLE_RETRY_DELAY,
+    "unavailable_retry_max_delay": defaults.UNAVAILABLE_RETRY_MAX_DELAY,
+    "deliveries_per_minute": defaults.DELIVERIES_PER_MINUTE,
+    "worker_recovery": defaults.WORKER_RECOVERY, "beat_schedule": defaults.BEAT_SCHEDULE,
 }
 
 
@@ -56,80 +190,109 @@ class LeaseConfig:
     redis_transport_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     #: The setting redis_transport_options came from, for error messages.
     transport_options_setting: str = dataclasses.field(default="leases_redis_transport_options", repr=False)
+    #: Errors of worker-only settings (their fields hold the defaults meanwhile):
+    #: a publisher never sees them, ``check_worker()`` raises them.
+    worker_errors: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
-    def validate(self, where: str = "leases_") -> "LeaseConfig":
-        """Raise ConfigurationError naming the first invalid setting."""
-        def name(field: str) -> str:
-            return f"{where}{field}"
-
-        for field in ("ttl", "heartbeat_interval", "recovery_interval", "retention",
-                      "publish_grace", "unavailable_retry_delay", "unavailable_retry_max_delay"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigurationError(f"{name(field)} must be a positive number of seconds, got {value!r}")
-        if self.heartbeat_interval >= self.ttl:
-            raise ConfigurationError(
-                f"{name('heartbeat_interval')} ({self.heartbeat_interval}) must be below "
-                f"{name('ttl')} ({self.ttl}); ttl / 3 is a safe choice")
-        if self.progress_timeout is not None and (
-                not isinstance(self.progress_timeout, (int, float)) or self.progress_timeout <= 0):
-            raise ConfigurationError(
-                f"{name('progress_timeout')} must be None or a positive number of seconds, "
-                f"got {self.progress_timeout!r}")
-        if not isinstance(self.deliveries_per_minute, int) or isinstance(self.deliveries_per_minute, bool) \
-                or self.deliveries_per_minute < 1:
-            raise ConfigurationError(f"{name('deliveries_per_minute')} must be an integer >= 1, "
-                                     f"got {self.deliveries_per_minute!r}")
-        for field in ("max_recoveries", "recover_batch"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if field == "max_recoveries" else 1):
-                raise ConfigurationError(f"{name(field)} must be a non-negative integer, got {value!r}")
-        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
-            raise ConfigurationError(f"{name('shards')} must be an integer >= 1, got {self.shards!r}")
-        if self.on_lost not in ("flag", "terminate"):
-            raise ConfigurationError(f"{name('on_lost')} must be 'flag' or 'terminate', got {self.on_lost!r}")
-        scheme = _scheme(self.redis_url or "")
-        if scheme not in _SCHEMES:
-            raise ConfigurationError(
-                f"leases_redis_url must be a Redis URL ({', '.join(s + '://' for s in _SCHEMES)}), "
-                f"got {_redact(self.redis_url)!r}")
-        options, source = self.redis_transport_options, self.transport_options_setting
-        if not isinstance(options, Mapping):
-            raise ConfigurationError(f"{source} must be a dict, got {type(options).__name__}")
-        if scheme == "sentinel":
-            try:
-                _sentinel_params(self.redis_url, options, source)
-            except ConfigurationError as exc:
-                if source == "leases_redis_transport_options":
-                    raise
-                raise ConfigurationError(
-                    f"{exc} ({source} applies because leases_redis_url is the "
-                    f"{source.replace('_transport_options', '')} URL; set "
-                    f"leases_redis_transport_options to give the lease store its own)") from None
+    def check_worker(self) -> "LeaseConfig":
+        """Raise ConfigurationError naming every invalid worker-only setting."""
+        if self.worker_errors:
+            raise _error(self.worker_errors)
         return self
 
     def for_task(self, task: Any) -> "LeaseConfig":
         """This config with the task's ``lease_*`` overrides applied (validated)."""
-        changes = {}
-        for attr, field in TASK_OPTIONS.items():
-            value = getattr(task, attr, None)
-            if value is not None:
-                changes[field] = value
-        if not changes:
-            return self
-        if "ttl" in changes and "heartbeat_interval" not in changes:
-            changes["heartbeat_interval"] = min(self.heartbeat_interval, changes["ttl"] / 3)
+        errors, config = task_option_errors(task, self)
+        if errors:
+            raise _error(errors)
+        return config
+
+
+def _joined(errors: "list[str] | tuple[str, ...]") -> str:
+    if len(errors) == 1:
+        return errors[0]
+    return f"{len(errors)} problems: " + "; ".join(errors)
+
+
+def _error(errors: "list[str] | tuple[str, ...]") -> ConfigurationError:
+    """One ConfigurationError for all ``errors``; ``.problems`` keeps them apart."""
+    exc = ConfigurationError(_joined(errors))
+    exc.problems = tuple(errors)  # type: ignore[attr-defined]
+    return exc
+
+
+def _task_option_names(task: Any) -> list[str]:
+    cls = task if isinstance(task, type) else type(task)
+    return sorted(name for name in dir(cls) if name.startswith("lease_"))
+
+
+def task_option_errors(task: Any, config: "LeaseConfig | None") -> "tuple[list[str], LeaseConfig | None]":
+    """Problems of one task's ``lease_*`` options, and the task's config (``config`` with them applied).
+
+    Each problem names the task, the option and the value. Without ``config``
+    (the app's settings are not readable yet, or broken) only the options' own
+    rules are checked, not how they combine with the app's ttl.
+    """
+    name = getattr(task, "name", None) or getattr(task, "__name__", "?")
+    errors: list[str] = []
+    changes: dict[str, Any] = {}
+    leased = getattr(task, "leased", False)
+    for attr in _task_option_names(task):
+        value = getattr(task, attr, None)
+        field = TASK_OPTIONS.get(attr)
+        if field is None and not leased:
+            continue  # a plain task's own attribute: only our option names are a slip there
+        if field is None:
+            close = difflib.get_close_matches(attr, TASK_OPTIONS, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(TASK_OPTIONS)})"
+            errors.append(f"task {name}: {attr}: unknown option{hint}")
+            continue
+        if value is None:
+            continue
+        if not leased:
+            errors.append(f"task {name}: {attr}={value!r} is set but the task is not leased; "
+                          f"use base=celery_leases.LeasedTask")
+            continue
+        rule = SETTINGS[field][0]
+        assert rule is not None
         try:
-            return replace(self, **changes).validate(where=f"task {task.name}: lease_")
-        except ConfigurationError:
-            raise
+            changes[field] = rule(value, True)
+        except _Invalid as exc:
+            errors.append(f"task {name}: {attr} {exc}, got {value!r}")
+    if errors or config is None:
+        return errors, None
+    if not changes:
+        return errors, config
+    if "ttl" in changes and "heartbeat_interval" not in changes:
+        changes["heartbeat_interval"] = min(config.heartbeat_interval, changes["ttl"] / 3)
+    result = replace(config, **changes)
+    if result.heartbeat_interval >= result.ttl:
+        interval = ("lease_heartbeat_interval" if "heartbeat_interval" in changes
+                    else "leases_heartbeat_interval")
+        ttl = "lease_ttl" if "ttl" in changes else "leases_ttl"
+        errors.append(f"task {name}: {interval} ({result.heartbeat_interval:g}) must be below "
+                      f"{ttl} ({result.ttl:g}); ttl / 3 is a safe choice")
+        return errors, None
+    return errors, result
 
 
 _configs: "weakref.WeakKeyDictionary[Any, LeaseConfig]" = weakref.WeakKeyDictionary()
 
 
 def get_config(app: Any, **overrides: Any) -> LeaseConfig:
-    """The app's LeaseConfig, built and validated on first use."""
+    """The app's LeaseConfig with every setting validated: what a worker needs.
+
+    Raises ConfigurationError naming each invalid setting, the worker-only ones included.
+    """
+    return client_config(app, **overrides).check_worker()
+
+
+def client_config(app: Any, **overrides: Any) -> LeaseConfig:
+    """The app's LeaseConfig, built once; raises only for settings a publisher uses.
+
+    Errors of worker-only settings are kept in ``worker_errors`` (those fields
+    hold their defaults), so ``import proj`` never fails on them in a web tier.
+    """
     config = _configs.get(app)
     if config is None or overrides:
         config = _configs[app] = build_config(app, **overrides)
@@ -137,62 +300,125 @@ def get_config(app: Any, **overrides: Any) -> LeaseConfig:
 
 
 def build_config(app: Any, **overrides: Any) -> LeaseConfig:
+    """Build the config; client-side errors raise, worker-side ones are kept in ``worker_errors``."""
+    namespace = getattr(app, "namespace", None)
+
+    def as_written(message: str) -> str:
+        if not namespace:
+            return message
+        # Name the setting as the user wrote it (Django: CELERY_LEASES_TTL).
+        return re.sub(r"\bleases_(\w+)",
+                      lambda m: f"{namespace.upper()}_LEASES_{m.group(1).upper()}", message)
+
     try:
-        return _build_config(app, **overrides)
+        config = _build_config(app, **overrides)
     except ConfigurationError as exc:
-        namespace = getattr(app, "namespace", None)
         if not namespace:
             raise
-        # Name the setting as the user wrote it (Django: CELERY_LEASES_TTL).
-        message = re.sub(r"\bleases_(\w+)",
-                         lambda m: f"{namespace.upper()}_LEASES_{m.group(1).upper()}", str(exc))
-        raise ConfigurationError(message) from None
+        raise _error([as_written(e) for e in getattr(exc, "problems", (str(exc),))]) from None
+    if namespace and config.worker_errors:
+        config = replace(config, worker_errors=tuple(as_written(e) for e in config.worker_errors))
+    return config
 
 
 def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
     conf = app.conf
+    client_errors: list[str] = []
+    worker_errors: list[str] = []
 
-    def setting(field: str, default: Any) -> Any:
+    def raw(field: str) -> Any:
         if field in overrides:
             return overrides[field]
-        value = conf.get(f"leases_{field}")
-        return default if value is None else value
+        return conf.get(f"leases_{field}")
 
-    ttl = _number(setting("ttl", defaults.TTL), "leases_ttl")
-    interval = setting("heartbeat_interval", None)
-    redis_url = setting("redis_url", None) or _fallback_url(conf)
-    options, source = _transport_options(conf, redis_url, setting("redis_transport_options", None))
-    config = LeaseConfig(
-        redis_url=redis_url,
-        redis_transport_options=options,
-        transport_options_setting=source,
-        key_prefix=setting("key_prefix", defaults.KEY_PREFIX),
-        ttl=ttl,
-        heartbeat_interval=(_number(interval, "leases_heartbeat_interval")
-                            if interval is not None else ttl / 3),
-        recovery_interval=_number(setting("recovery_interval", defaults.RECOVERY_INTERVAL),
-                                  "leases_recovery_interval"),
-        max_recoveries=_integer(setting("max_recoveries", defaults.MAX_RECOVERIES),
-                                "leases_max_recoveries"),
-        progress_timeout=(None if setting("progress_timeout", None) is None else
-                          _number(setting("progress_timeout", None), "leases_progress_timeout")),
-        retention=_number(setting("retention", defaults.RETENTION), "leases_retention"),
-        publish_grace=_number(setting("publish_grace", defaults.PUBLISH_GRACE), "leases_publish_grace"),
-        recover_batch=_integer(setting("recover_batch", defaults.RECOVER_BATCH), "leases_recover_batch"),
-        shards=_shards(setting("shards", defaults.SHARDS)),
-        on_lost=setting("on_lost", defaults.ON_LOST),
-        dead_letter_queue=setting("dead_letter_queue", defaults.DEAD_LETTER_QUEUE),
-        unavailable_retry_delay=_number(setting("unavailable_retry_delay", defaults.UNAVAILABLE_RETRY_DELAY),
-                                        "leases_unavailable_retry_delay"),
-        unavailable_retry_max_delay=_number(
-            setting("unavailable_retry_max_delay", defaults.UNAVAILABLE_RETRY_MAX_DELAY),
-            "leases_unavailable_retry_max_delay"),
-        deliveries_per_minute=_integer(setting("deliveries_per_minute", defaults.DELIVERIES_PER_MINUTE),
-                                       "leases_deliveries_per_minute"),
-        worker_recovery=_boolean(setting("worker_recovery", defaults.WORKER_RECOVERY), "leases_worker_recovery"),
-        beat_schedule=_boolean(setting("beat_schedule", defaults.BEAT_SCHEDULE), "leases_beat_schedule"),
-    )
-    return config.validate()
+    values: dict[str, Any] = {}
+    for field, (rule, side) in SETTINGS.items():
+        if rule is None:
+            continue
+        value = raw(field)
+        if value is None:
+            values[field] = _DEFAULTS[field]
+            continue
+        try:
+            values[field] = rule(value)
+        except _Invalid as exc:
+            (client_errors if side == _CLIENT else worker_errors).append(
+                f"leases_{field} {exc}, got {value!r}")
+            values[field] = _DEFAULTS[field]
+    if values["heartbeat_interval"] is None:
+        values["heartbeat_interval"] = values["ttl"] / 3
+    elif not worker_errors and values["heartbeat_interval"] >= values["ttl"]:
+        worker_errors.append(
+            f"leases_heartbeat_interval ({values['heartbeat_interval']:g}) must be below "
+            f"leases_ttl ({values['ttl']:g}); ttl / 3 is a safe choice")
+        values["heartbeat_interval"] = values["ttl"] / 3
+    for message, side in _unknown_settings(conf, overrides):
+        (client_errors if side == _CLIENT else worker_errors).append(message)
+    redis_url = raw("redis_url") or _fallback_url(conf)
+    options, source = _transport_options(conf, redis_url, raw("redis_transport_options"))
+    client_errors += _store_errors(redis_url, options, source)
+    if client_errors:
+        raise _error(client_errors)
+    return LeaseConfig(redis_url=redis_url, redis_transport_options=options,
+                       transport_options_setting=source, worker_errors=tuple(worker_errors), **values)
+
+
+def _store_errors(url: Any, options: Any, source: str) -> list[str]:
+    """The lease store's URL and transport options: a Redis URL, a dict, a complete Sentinel setup."""
+    scheme = _scheme(url) if isinstance(url, str) else ""
+    if scheme not in _SCHEMES:
+        return [f"leases_redis_url must be a Redis URL ({', '.join(s + '://' for s in _SCHEMES)}), "
+                f"got {_redact(url)!r}"]
+    if not isinstance(options, Mapping):
+        return [f"{source} must be a dict, got {type(options).__name__}"]
+    if scheme == "sentinel":
+        try:
+            _sentinel_params(url, options, source)
+        except ConfigurationError as exc:
+            if source == "leases_redis_transport_options":
+                return [str(exc)]
+            return [f"{exc} ({source} applies because leases_redis_url is the "
+                    f"{source.replace('_transport_options', '')} URL; set "
+                    f"leases_redis_transport_options to give the lease store its own)"]
+    return []
+
+
+def _unknown_settings(conf: Any, overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Misspelt settings: ``leases_*`` keys that are no setting, and ``lease_<setting>``
+    (a slip of ``leases_<setting>``), each with the closest known name. A slip counts on the side
+    (client or worker) of the setting it most likely meant."""
+    # LeaseConfig's fields too, so a setting added there is never refused as unknown.
+    internal = {"transport_options_setting", "worker_errors"}
+    known = sorted({f"leases_{field}" for field in SETTINGS}
+                   | {f"leases_{f.name}" for f in dataclasses.fields(LeaseConfig) if f.name not in internal})
+    try:
+        keys = list(conf.keys())
+    except Exception:  # noqa: BLE001 - a conf without keys() (a plain mapping stand-in)
+        keys = []
+    keys += [f"leases_{key}" for key in overrides]
+    found = []
+    for key in sorted(set(k for k in keys if isinstance(k, str))):
+        lowered = _setting_name(key)
+        if lowered is None or lowered in known:
+            continue
+        if not lowered.startswith("leases_") and "leases_" + lowered[len("lease_"):] not in known:
+            continue  # lease_* is not our namespace: only the plain slip (lease_ttl) is flagged
+        close = difflib.get_close_matches(lowered, known, n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        side = SETTINGS.get(close[0][len("leases_"):], (None, _WORKER))[1] if close else _WORKER
+        found.append((f"{key if key.isupper() else lowered}: unknown setting{hint}", side))
+    return found
+
+
+def _setting_name(key: str) -> str | None:
+    """``key`` in lower case without a Django namespace (``CELERY_LEASES_TTL`` -> ``leases_ttl``)
+    when it looks like a celery-leases setting (``leases_*``, or the slip ``lease_*``), else None."""
+    lowered = key.lower()
+    if lowered.startswith("celery_") and key.isupper():
+        lowered = lowered[len("celery_"):]
+    if lowered.startswith(("leases_", "lease_")):
+        return lowered
+    return None
 
 
 class _Pending(dict):
@@ -256,40 +482,3 @@ def _transport_options(conf: Any, url: str, explicit: Any) -> tuple[Any, str]:
         if conf.get(url_setting) == url:
             return conf.get(options_setting) or {}, options_setting
     return {}, "leases_redis_transport_options"
-
-
-def _number(value: Any, name: str) -> float:
-    try:
-        result = float(value)
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}") from None
-    if result <= 0:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
-    return result
-
-
-def _integer(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigurationError(f"{name} must be an integer, got {value!r}")
-    try:
-        result = int(value)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be an integer, got {value!r}") from None
-    if result < 0:
-        raise ConfigurationError(f"{name} must not be negative, got {value!r}")
-    return result
-
-
-def _shards(value: Any) -> int:
-    result = _integer(value, "leases_shards")
-    if result < 1:
-        raise ConfigurationError(f"leases_shards must be an integer >= 1, got {value!r}")
-    return result
-
-
-def _boolean(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise ConfigurationError(f"{name} must be a boolean, got {value!r}")

@@ -1,10 +1,16 @@
 """install(app): the one call that wires celery-leases into an existing Celery app."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from .config import get_config, validate_pending
+from celery.signals import beat_init
+
+from .config import client_config, get_config, validate_pending
+from .exceptions import ConfigurationError
 from .store import LeaseStore
+
+logger = logging.getLogger("celery_leases.install")
 
 RECOVER_TASK_NAME = "celery_leases.recover"
 
@@ -25,9 +31,11 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         return app
     if settings:
         app.conf.update({f"leases_{key}": value for key, value in settings.items()})
-    # A broken setting fails here, named; the worker checks again at start.
+    # A broken setting a publisher uses fails here, named; worker-only settings
+    # (and the rest) are checked when a worker starts (startup.py), so a web
+    # tier's ``import proj`` never fails on them.
     if app.configured:
-        get_config(app)
+        client_config(app)
     else:
         validate_pending(app)
     app.steps["worker"].add(LeaseStep)
@@ -47,8 +55,10 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         return store_.recover().as_dict()
 
     def add_beat_entry(*args: Any, **kwargs: Any) -> None:
-        config = get_config(app)
-        if config.beat_schedule:
+        # Runs in every process once the app is configured: never fails on a
+        # worker-only setting (beat_init below reports it in beat itself).
+        config = client_config(app)
+        if config.beat_schedule and not config.worker_errors:
             app.add_periodic_task(config.recovery_interval, app.signature(RECOVER_TASK_NAME),
                                   name=RECOVER_TASK_NAME)
 
@@ -56,6 +66,17 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         add_beat_entry()
     else:
         app.on_after_configure.connect(add_beat_entry, weak=False)
+
+    def check_beat(sender: Any = None, **kwargs: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        try:
+            get_config(app)
+        except ConfigurationError as exc:
+            logger.error("celery-leases: %s; beat does not schedule %s (workers refuse to start "
+                         "until this is fixed)", exc, RECOVER_TASK_NAME)
+
+    beat_init.connect(check_beat, weak=False)
     app._celery_leases_installed = True
     return app
 

@@ -53,10 +53,11 @@ class Keys:
     _shard_keys: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.prefix or any(c in self.prefix for c in "{} \n"):
+        if (not isinstance(self.prefix, str) or not self.prefix
+                or any(c.isspace() or c in "{}" or not c.isprintable() for c in self.prefix)):
             raise ValueError(
-                f"leases_key_prefix {self.prefix!r} must be non-empty and contain "
-                "no braces or whitespace")
+                f"leases_key_prefix must be a non-empty string without whitespace, braces or "
+                f"control characters, got {self.prefix!r}")
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise ValueError(f"leases_shards must be an integer >= 1, got {self.shards!r}")
         # Built once: every acquire, renew and finish looks its shard up.

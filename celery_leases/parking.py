@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from kombu import Queue
 
-from .config import get_config
+from .config import client_config
 from .exceptions import DeliveryParked, LeaseError
 from .signals import delivery_parked
 
@@ -46,7 +46,7 @@ def park_delivery(app: Any, task_id: str, reason: str, *, name: str = "", body: 
     except LeaseError as error:
         logger.error("task %s: the parked delivery could not be stored in the lease store "
                      "(it is only in the dead-letter queue, if one is set): %s", task_id, error)
-    queue = get_config(app).dead_letter_queue
+    queue = client_config(app).dead_letter_queue
     if queue and body and envelope:
         try:
             headers = dict(envelope.get("headers") or {})

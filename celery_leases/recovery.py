@@ -13,7 +13,7 @@ from celery.app.task import Context
 from kombu import Queue
 from kombu.serialization import loads
 
-from .config import get_config
+from .config import client_config
 from .exceptions import LeaseError, LeaseExpired
 from .signals import lease_dead, lease_recovered
 from .store import Claim
@@ -90,7 +90,7 @@ class Recoverer:
                      name or request.task, task_id, recoveries)
         self.app.backend.mark_as_failure(task_id, exc, request=request)
         lease_dead.send(sender=self.app, task_id=task_id, recoveries=recoveries)
-        queue = get_config(self.app).dead_letter_queue
+        queue = client_config(self.app).dead_letter_queue
         if queue and body:
             headers = dict(envelope.get("headers") or {})
             headers["lease_dead"] = True

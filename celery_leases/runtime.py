@@ -10,7 +10,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .config import LeaseConfig, get_config
+from .config import LeaseConfig, client_config
 from .connection import connect, redact, url_error
 from .exceptions import ConfigurationError
 from .store import LeaseStore
@@ -44,7 +44,7 @@ def get_store(app: Any) -> LeaseStore:
     if entry is None or entry[0] != pid:
         from .recovery import Recoverer
         recoverer = Recoverer(app)
-        store = make_store(get_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead,
+        store = make_store(client_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead,
                            on_corrupt=recoverer.on_corrupt)
         _stores[app] = entry = (pid, store)
     return entry[1]

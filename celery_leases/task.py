@@ -17,8 +17,9 @@ from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
-from .config import get_config
-from .exceptions import LeaseError, LeaseLost, LeaseUnavailable
+from . import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
+from .config import client_config, get_config, task_option_errors
+from .exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
 from .results import fused_write, mark_stored
 from .runtime import get_store, get_worker
@@ -34,6 +35,10 @@ for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "l
               "_lease_handle"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
+
+
+#: Set once this process has warned that a LeasedTask ran unleased (eager, apply(), a direct call).
+_warned_unleased = False
 
 
 class StaleOutcome(Ignore, LeaseError):
@@ -65,6 +70,30 @@ class LeasedTask(Task):
     #: "flag" or "terminate" a running task whose lease was lost.
     lease_on_lost: str | None = None
 
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """``@app.task(...)`` time: refuse invalid ``lease_*`` options, naming task, option, value.
+
+        How the options combine with the app's ttl is checked only when the
+        app's worker settings are valid; the worker checks everything again at start.
+        """
+        super().on_bound(app)
+        if cls.__dict__.get("abstract") or not getattr(cls, "name", None):
+            return
+        if getattr(app.loader, "worker_initialized", False):
+            # A worker finalizing its app: a raise here would escape as a traceback
+            # from WorkController.__init__; the start-up check refuses it in one line.
+            return
+        config = None
+        try:
+            config = client_config(app)
+            config = None if config.worker_errors else config
+        except ConfigurationError:
+            config = None  # install() or the worker reports the settings
+        errors = task_option_errors(cls, config)[0]
+        if errors:
+            raise ConfigurationError(errors[0] if len(errors) == 1 else "; ".join(errors))
+
     @property
     def lease(self) -> Lease:
         """The lease of the current execution (a detached one when there is none)."""
@@ -94,7 +123,11 @@ class LeasedTask(Task):
             # rather than run without a lease or drop the message.
             raise LeaseUnavailable(f"task {request.id}: {request.lease_unavailable}")
         if request.lease_token is None:
-            return super().__call__(*args, **kwargs)
+            if request.is_eager or request.called_directly:
+                _warn_unleased(self)
+                return super().__call__(*args, **kwargs)
+            # Run by a worker, yet no lease was taken at receipt: fail, never run unguarded.
+            raise self._unleased_error(request)
         lease = self.lease
         try:
             retval = super().__call__(*args, **kwargs)
@@ -122,6 +155,20 @@ class LeasedTask(Task):
         if write is not None:
             mark_stored(request)
         return retval
+
+    def _unleased_error(self, request: Any) -> ConfigurationError:
+        """Why a worker's delivery has no lease: install(app) missing, a bad option, or see the log.
+        (Celery's tracer logs the failure with this message.)"""
+        if not getattr(self.app, "_celery_leases_installed", False):
+            why = startup.not_installed_message([self.name])
+        else:
+            try:
+                get_config(self.app).for_task(self)
+                why = ("no lease was taken when the worker received it (see the worker's log "
+                       "for the error at receipt)")
+            except ConfigurationError as exc:
+                why = str(exc)
+        return ConfigurationError(f"task {self.name}[{request.id}] not run: {why}")
 
     def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,
                 retry_grace: float | None = None, write: Any = None) -> None:
@@ -199,6 +246,15 @@ class LeasedTask(Task):
             self._finish(lease, "retry", next_attempt=0)
             lease.handed_over = True
         return super().on_replace(sig)
+
+
+def _warn_unleased(task: Any) -> None:
+    global _warned_unleased
+    if not _warned_unleased:
+        _warned_unleased = True
+        logger.warning("celery-leases: LeasedTask %s ran without a lease (eager mode, apply() or a "
+                       "direct call): self.lease is detached, its token None and check() passes. "
+                       "Only a worker takes leases. Warned once per process.", task.name)
 
 
 def refuse(task: Any, task_id: str, token: int | None, outcome: str, reason: str) -> None:

@@ -28,13 +28,14 @@ from .acquirer import Acquirer, Job
 from .checks import run_checks
 from .codes import Code
 from .config import LeaseConfig, get_config
-from .exceptions import LeaseError, LeaseUnavailable
+from .exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
 from .receipt import (REQUEUES_HEADER, DeliveryWindow, ServerClock, Throttled, describe, eta_after,
                       requeue_delay, usable_id, validate_message)
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .signals import delivery_refused, lease_acquired, lease_lost
+from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured, wait_for_store
 from .store import Acquisition
 
 logger = logging.getLogger("celery_leases.worker")
@@ -89,11 +90,9 @@ class LeaseWorker:
     # -- lifecycle --------------------------------------------------------
 
     def start(self) -> None:
-        # Fail at worker start, naming the URL's setting, when Redis is not there.
-        try:
-            self.clock.sample()
-        except LeaseUnavailable as exc:
-            raise LeaseUnavailable(f"leases_redis_url: {exc}") from exc
+        # Wait for the lease store like Celery waits for its broker at start;
+        # past the retries this raises LeaseUnavailable naming leases_redis_url.
+        wait_for_store(self.app, self.clock.sample)  # also the first reading of its clock
         # Scripts are read once, here: the pool processes inherit them, and a
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()
@@ -563,6 +562,16 @@ class LeaseStep(bootsteps.StartStopStep):
         self.lease_worker: LeaseWorker | None = None
 
     def create(self, w: Any) -> "LeaseStep":
+        # Nothing here may raise: an exception in a bootstep's create escapes
+        # WorkController.__init__ as a traceback. A broken setting is reported
+        # once by the start-up check (startup.py), which stops the worker.
+        try:
+            self.lease_worker = self._build(w)
+        except (ConfigurationError, LeaseUnavailable):
+            self.lease_worker = None  # start() reports it, or waits for the store
+        return self
+
+    def _build(self, w: Any) -> LeaseWorker:
         config = get_config(w.app)
         # The acquire waits for Redis only where the event loop does not run
         # task bodies: prefork and threads. Elsewhere (solo, gevent, eventlet,
@@ -570,15 +579,25 @@ class LeaseStep(bootsteps.StartStopStep):
         hub = getattr(w, "hub", None) if getattr(w, "use_eventloop", False) else None
         if type(w.pool).__module__ not in ("celery.concurrency.prefork", "celery.concurrency.thread"):
             hub = None
-        self.lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
-                                        quick_release=getattr(w, "_quick_release", None),
-                                        prefork=type(w.pool).__module__ == "celery.concurrency.prefork")
-        set_worker(w.app, self.lease_worker)
-        return self
+        lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
+                                   quick_release=getattr(w, "_quick_release", None),
+                                   prefork=type(w.pool).__module__ == "celery.concurrency.prefork")
+        set_worker(w.app, lease_worker)
+        return lease_worker
 
     def start(self, w: Any) -> None:
-        assert self.lease_worker is not None
-        self.lease_worker.start()
+        # Blocks the worker's start sequence: the consumer (started last) receives nothing
+        # until the configuration passed and the lease store answered.
+        refuse_if_misconfigured(w.app)
+        try:
+            if self.lease_worker is None:  # the store's client could not be built (a cluster down)
+                wait_for_store(w.app, lambda: get_store(w.app).server_time_ms())
+                self.lease_worker = self._build(w)
+            self.lease_worker.start()
+        except ConfigurationError as exc:  # what only building the client finds (a URL that does not parse)
+            refuse(str(exc), EX_CONFIG)
+        except LeaseUnavailable as exc:
+            refuse(str(exc), EX_UNAVAILABLE)
 
     def stop(self, w: Any) -> None:
         # Warm shutdown: running tasks are still finishing in the pool, so the

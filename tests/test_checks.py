@@ -166,7 +166,7 @@ def test_worker_start_runs_the_checks_and_still_fails_without_redis(server, capl
     finally:
         worker.stop(unstarted=False)
     # And with Redis unreachable, the start fails naming leases_redis_url, as before
-    down = app_for(f"redis://:pw@127.0.0.1:{free_port()}/0")
+    down = app_for(f"redis://:pw@127.0.0.1:{free_port()}/0", broker_connection_retry_on_startup=False)
     with pytest.raises(LeaseUnavailable, match="leases_redis_url"):
         LeaseWorker(down, get_config(down)).start()
 
