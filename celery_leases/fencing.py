@@ -85,7 +85,11 @@ def fenced_set(client: redis.Redis, keys: Union[Keys, str], resource: str, token
     """
     keys, token, name = _keys(keys), _token(token), _field(field)
     key = keys.fence(resource)
-    code, current = _call(client, key, lambda: scripts.fenced_write(client, (key,), (token, name, value)))
+    reply = _call(client, key, lambda: scripts.fenced_write(client, (key,), (token, name, value)))
+    if reply[0] == Code.CORRUPT:
+        raise CorruptRecord(f"fence hash {key}: field {reply[2].decode()} {reply[3].decode()}; "
+                            f"nothing was written", key, reply[2].decode())
+    code, current = reply
     if Code(code) is Code.OK:
         return True
     if raise_on_stale:

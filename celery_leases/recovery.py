@@ -69,6 +69,16 @@ class Recoverer:
             logger.debug("task %s: recovered_after not available: %s", claim.task_id, exc)
             return None
 
+    def on_corrupt(self, claim: Claim) -> None:
+        """A claim whose lease record is corrupt: park the task (its record is left as it is)."""
+        from .parking import park_delivery
+        error = claim.error
+        # A record of the wrong type has no readable name; the stored message's headers do.
+        name = claim.name or str((claim.envelope.get("headers") or {}).get("task") or "")
+        park_delivery(self.app, claim.task_id, f"corrupt lease record found by recovery: {error}",
+                      name=name, body=claim.body, envelope=claim.envelope,
+                      key=getattr(error, "key", ""), field=getattr(error, "field", ""), exc=error)
+
     def on_dead(self, claim: Claim) -> None:
         self.mark_dead(claim.task_id, claim.recoveries, claim.body, claim.envelope, claim.name)
 

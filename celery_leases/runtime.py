@@ -44,7 +44,8 @@ def get_store(app: Any) -> LeaseStore:
     if entry is None or entry[0] != pid:
         from .recovery import Recoverer
         recoverer = Recoverer(app)
-        store = make_store(get_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead)
+        store = make_store(get_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead,
+                           on_corrupt=recoverer.on_corrupt)
         _stores[app] = entry = (pid, store)
     return entry[1]
 

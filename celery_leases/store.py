@@ -126,18 +126,21 @@ class RecoveryReport:
     recovered: int = 0
     dead: int = 0
     publish_failed: int = 0
+    #: Claims whose record (or message hash) was corrupt: taken out of the index and parked.
+    corrupt: int = 0
     errors: list = field(default_factory=list)
 
     def __iadd__(self, other: "RecoveryReport") -> "RecoveryReport":
         self.recovered += other.recovered
         self.dead += other.dead
         self.publish_failed += other.publish_failed
+        self.corrupt += other.corrupt
         self.errors.extend(other.errors)
         return self
 
     def as_dict(self) -> dict:
         return {"recovered": self.recovered, "dead": self.dead,
-                "publish_failed": self.publish_failed}
+                "publish_failed": self.publish_failed, "corrupt": self.corrupt}
 
 
 @dataclass(frozen=True)
@@ -432,7 +435,9 @@ class LeaseStore:
                 raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
             keys.append(write[0])
             args.extend((write[1], int(write[2] or 0)))
-        code, current, state = self._run(scripts.finish, keys, args, f"task {task_id}, key {key}")
+        reply = self._run(scripts.finish, keys, args, f"task {task_id}, key {key}")
+        _raise_if_corrupt(reply, f"finish of task {task_id}")
+        code, current, state = reply
         _raise_unless_ok(Code(code), task_id, token, state.decode())
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
@@ -461,9 +466,27 @@ class LeaseStore:
                 start = shard.record_prefix()
                 calls.append(([shard.deadlines, shard.stats, *(start + t for t in task_ids)],
                               [owner, ttl_ms, progress, len(start), *(leases[t] for t in task_ids)]))
-            out = {}
-            for flat in self._run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}"):
-                out.update({flat[i].decode(): Code(flat[i + 1]) for i in range(0, len(flat), 2)})
+            out: dict[str, Code] = {}
+            results = self._run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}")
+            for task_ids, flat in zip(groups.values(), results):
+                if flat and flat[0] == Code.CORRUPT:
+                    # The shard's deadline index itself: none of its leases can be renewed.
+                    logger.error("lease heartbeat of %s: %s field %s %s; its %d lease(s) are not "
+                                 "renewed", owner, flat[1].decode(), flat[2].decode(), flat[3].decode(),
+                                 len(task_ids))
+                    out.update(dict.fromkeys(task_ids, Code.CORRUPT))
+                    continue
+                i = 0
+                while i < len(flat):
+                    task_id, code = flat[i].decode(), Code(flat[i + 1])
+                    out[task_id] = code
+                    i += 2
+                    if code is Code.CORRUPT:
+                        # One record: that task's lease is not renewed (lost); the rest were.
+                        logger.error("lease of task %s not renewed: its record %s field %s; it is "
+                                     "treated as lost and recovery parks it", task_id,
+                                     self.keys.record(task_id), flat[i].decode())
+                        i += 1
             return out
         finally:
             if pause_gc:
@@ -472,9 +495,10 @@ class LeaseStore:
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""
         key = self.keys.record(task_id)
-        (code,) = self._run(scripts.progress, (key, self.keys.shard_for(task_id).deadlines),
-                            (task_id, owner, int(token)), f"task {task_id}, key {key}")
-        _raise_unless_ok(Code(code), task_id, token)
+        reply = self._run(scripts.progress, (key, self.keys.shard_for(task_id).deadlines),
+                          (task_id, owner, int(token)), f"task {task_id}, key {key}")
+        _raise_if_corrupt(reply, f"progress of task {task_id}")
+        _raise_unless_ok(Code(reply[0]), task_id, token)
 
     def release(self, owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
         """Make these leases due now so they are recovered without waiting out the ttl.
@@ -492,8 +516,14 @@ class LeaseStore:
                 keys.append(self.keys.record(task_id))
                 args += [task_id, int(leases[task_id])]
             calls.append((keys, args))
-        return sum(int(n) for n in self._run_many(scripts.release, calls,
-                                                  f"{len(leases)} leases of {owner}"))
+        released = 0
+        for reply in self._run_many(scripts.release, calls, f"{len(leases)} leases of {owner}"):
+            _raise_if_corrupt(reply, f"releasing leases of {owner}")
+            released += int(reply[1])
+            for task_id, what in zip(reply[2::2], reply[3::2]):
+                logger.error("lease of task %s not released: its record %s field %s",
+                             task_id.decode(), self.keys.record(task_id.decode()), what.decode())
+        return released
 
     def claim_expired(self, limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
         """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua).
@@ -512,21 +542,35 @@ class LeaseStore:
                 keys += [self.keys.record(t), self.keys.message(t)]
             calls.append((keys, [self.max_recoveries, _ms(self.publish_grace), _ms(self.retention),
                                  *task_ids]))
-        rows = [row for result in self._run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases")
-                for row in result]
+        rows = []
+        for result in self._run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases"):
+            if result and result[0] == Code.CORRUPT:
+                # This shard's deadline index: logged, the other shards' claims go on.
+                logger.error("recovery: %s field %s %s; its leases cannot be claimed",
+                             *(v.decode() for v in result[1:4]))
+                continue
+            rows += result
         claims = []
         for task_id, code, gen, recoveries, name, body, envelope in rows:
-            task_id = task_id.decode()
+            task_id, code = task_id.decode(), Code(code)
             error = None
+            if code is Code.CORRUPT:
+                # gen is the corrupt key, recoveries "field detail": this task alone, to park.
+                key, (fld, _, detail) = gen.decode(), recoveries.decode().partition(" ")
+                error = CorruptRecord(f"lease of task {task_id}: {key} field {fld} {detail}", key, fld)
+                gen = recoveries = 0
             try:
                 env = json.loads(envelope) if envelope else {}
             except ValueError:
                 # Reported by the recovery pass; the rest of the batch goes on.
                 env = {}
-                error = CorruptRecord(f"message {self.keys.message(task_id)} of task {task_id} "
-                                      f"holds an envelope that is not JSON")
-            claims.append(Claim(task_id, Code(code), int(gen), int(recoveries),
-                                name.decode(), body, env, error))
+                error = error or CorruptRecord(
+                    f"message {self.keys.message(task_id)} of task {task_id} holds an envelope "
+                    f"that is not JSON", self.keys.message(task_id), "envelope")
+            if not isinstance(env, dict):
+                env = {}
+            claims.append(Claim(task_id, code, int(gen), int(recoveries),
+                                name.decode("utf-8", "replace"), body, env, error))
         return claims
 
     def mark_published(self, claims: Iterable[Claim]) -> int:
@@ -543,19 +587,29 @@ class LeaseStore:
                 keys += [self.keys.record(t), self.keys.message(t)]
                 args += [t, by_id[t].generation]
             calls.append((keys, args))
-        return sum(int(n) for n in self._run_many(scripts.mark_published, calls, f"{len(claims)} claims"))
+        confirmed = 0
+        for reply in self._run_many(scripts.mark_published, calls, f"{len(claims)} claims"):
+            if isinstance(reply, list):  # CORRUPT: the deadline index; claimed again, reported then
+                logger.error("recovery: confirming claims: %s field %s %s", *(v.decode() for v in reply[1:4]))
+                continue
+            confirmed += int(reply)
+        return confirmed
 
     def recover(self, publish: Callable[[Claim], None] | None = None,
                 on_dead: Callable[[Claim], None] | None = None,
-                limit: int | None = None) -> RecoveryReport:
+                limit: int | None = None,
+                on_corrupt: Callable[[Claim], None] | None = None) -> RecoveryReport:
         """Run one recovery pass: claim expired leases, re-publish them, confirm.
 
         A publish that raises leaves its claim unconfirmed; the next pass after
         ``publish_grace`` claims it again. Stops after ``limit`` claims (default:
-        until nothing is due).
+        until nothing is due). A corrupt record affects its own task only: the
+        script took it out of the deadline index, and ``on_corrupt`` (the Celery
+        side parks it) gets the claim, with the stored message if it was readable.
         """
         publish = publish or self.publish
         on_dead = on_dead or self.on_dead
+        on_corrupt = on_corrupt or self.on_corrupt
         if publish is None:
             raise LeaseError("recover() needs a publish callable (celery_leases.store(app) provides one)")
         report = RecoveryReport()
@@ -576,6 +630,10 @@ class LeaseStore:
             claims = self.claim_expired(ids=ids)
             published = []
             for claim in claims:
+                if claim.code is Code.CORRUPT:
+                    report.corrupt += 1
+                    self._corrupt_claim(claim, on_corrupt)
+                    continue
                 try:
                     if claim.error is not None and claim.code is not Code.DEAD:
                         raise claim.error
@@ -671,6 +729,18 @@ class LeaseStore:
 
         return bool(self._read(delete, f"deleting {key} of task {task_id}")[0])
 
+    def _corrupt_claim(self, claim: Claim, on_corrupt: Callable[[Claim], None] | None) -> None:
+        """A claim whose record is corrupt: out of the index already; hand it to ``on_corrupt``."""
+        if on_corrupt is None:
+            logger.error("recovery: task %s not recovered, its lease record is corrupt: %s; it left "
+                         "the deadline index (no on_corrupt handler to park it)", claim.task_id, claim.error)
+            return
+        try:
+            on_corrupt(claim)
+        except Exception as exc:  # noqa: BLE001 - one task's parking must not stop the pass
+            logger.error("recovery: parking task %s (corrupt lease record: %s) failed: %r",
+                         claim.task_id, claim.error, exc, exc_info=True)
+
     def try_recovery_turn(self, owner: str, interval: float) -> bool:
         """True for one caller per ``interval`` across all workers (the fallback recoverer's guard)."""
         return bool(self._read(
@@ -685,9 +755,11 @@ class LeaseStore:
         lease, so a stale owner never marks a step done for its successor.
         """
         key = self.keys.record(task_id)
-        code, _recorded_by = self._run(
+        reply = self._run(
             scripts.complete_step, (key,), (owner, int(token), step),
             f"task {task_id}, step {step!r}, key {key}")
+        _raise_if_corrupt(reply, f"step {step!r} of task {task_id}")
+        code = reply[0]
         if Code(code) is Code.STEP_DONE:
             return False
         _raise_unless_ok(Code(code), task_id, token)
@@ -763,7 +835,14 @@ class LeaseStore:
         shards = list(shards)
         calls = [((self.keys.shard(i).deadlines,), (int(limit),)) for i in shards]
         results = self._run_many(scripts.expired, calls, "listing expired leases")
-        return {i: [t.decode() for t in rows[1:]] for i, rows in zip(shards, results)}
+        out: dict[int, list[str]] = {}
+        for i, rows in zip(shards, results):
+            if rows and rows[0] == Code.CORRUPT:
+                # This shard's deadline index is not a sorted set: logged, the other shards go on.
+                logger.error("listing expired leases: %s field %s %s", *(v.decode() for v in rows[1:4]))
+                rows = [0]
+            out[i] = [t.decode() for t in rows[1:]]
+        return out
 
     def server_time_ms(self, key: str | None = None) -> int:
         """The server clock in ms; on a cluster, of the master holding ``key`` (else any node)."""
@@ -789,9 +868,14 @@ class LeaseStore:
             f" and {len(shards) - 1} more shards" if len(shards) > 1 else ""))
         out: dict[str, int] = {}
         indexed = 0
-        for raw, count in zip(rows[::2], rows[1::2]):
+        for shard, raw, count in zip(shards, rows[::2], rows[1::2]):
             for k, v in raw.items():
-                out[k.decode()] = out.get(k.decode(), 0) + int(v)
+                try:
+                    out[k.decode()] = out.get(k.decode(), 0) + int(v)
+                except ValueError:
+                    # Counters are best effort in the scripts; reading them says so.
+                    raise CorruptRecord(f"stats hash {shard.stats}: field {k.decode()} is not a "
+                                        f"number: {v!r}", shard.stats, k.decode()) from None
             indexed += int(count)
         out["indexed"] = indexed
         return out
@@ -933,7 +1017,15 @@ class LeaseStore:
             for index, task_ids in self._by_shard(t for _, t in batch).items():
                 calls.append(([self.keys.shard(index).deadlines, *map(self.keys.record, task_ids)],
                               [_ms(older_than), *task_ids]))
-            purged += sum(int(n) for _, n in self._run_many(scripts.purge, calls, f"{len(batch)} records"))
+            for reply in self._run_many(scripts.purge, calls, f"{len(batch)} records"):
+                if reply[0] == Code.CORRUPT:
+                    logger.error("purge: %s field %s %s; its records are left alone",
+                                 *(v.decode() for v in reply[1:4]))
+                    continue
+                purged += int(reply[1])
+                for task_id, what in zip(reply[2::2], reply[3::2]):
+                    logger.warning("purge: left corrupt record %s alone: field %s",
+                                   self.keys.record(task_id.decode()), what.decode())
         return purged
 
     def held_for(self, task_id: str) -> float | None:
@@ -997,6 +1089,8 @@ _compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def acquisition_of(raw: Sequence[Any]) -> Acquisition:
+    """acquire.lua's reply as an Acquisition; a CORRUPT answer raises CorruptRecord naming key and field."""
+    _raise_if_corrupt(raw, "acquire")
     code, token, gen, recoveries, state = raw
     return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
 

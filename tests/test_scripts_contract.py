@@ -34,7 +34,7 @@ CODE_LITERALS = [
 ]
 #: Prelude helpers whose reply is CORRUPT when what they check is corrupt: a body
 #: that returns one of their answers returns CORRUPT.
-CORRUPT_HELPERS = re.compile(r"\b(check_type|corrupt)\(")
+CORRUPT_HELPERS = re.compile(r"\b(check_type|corrupt|load)\(|\bCORRUPT\b")
 FIXED_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s", re.M)
 OPTIONAL_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s+optional\b", re.M)
 RANGE_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\.\.", re.M)

@@ -11,6 +11,15 @@
   check_type(key, want)      nil when key is missing or of type want, else a CORRUPT reply
                              (field "type"); checked before any write, since Redis does not
                              roll back a script that fails half-way
+  load(key, fields, numeric, required)
+                             a record's fields (HMGET) as a table, validated: the key a hash,
+                             state (if read) a known state, each numeric field present a whole
+                             number, each required field present when the record exists, and
+                             a hash without a state is corrupt. Returns rec, or nil and the
+                             CORRUPT reply naming key and field. Scripts load everything they
+                             depend on first, then write.
+  count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
+                             reason to refuse a task (the stats reads report it)
 ]]
 local CORRUPT = 14
 local function now_ms()
@@ -59,4 +68,44 @@ local function check_type(key, want)
     return corrupt(key, 'type', 'is a ' .. t .. ', not a ' .. want)
   end
   return nil
+end
+
+local KNOWN_STATES = {active = true, recovering = true, succeeded = true, failed = true,
+                      dead = true, revoked = true}
+
+local function whole(v)
+  local n = tonumber(v)
+  if n == nil or n ~= math.floor(n) or n ~= n or n == math.huge or n == -math.huge then return nil end
+  return n
+end
+
+local function load(key, fields, numeric, required)
+  local values = redis.pcall('HMGET', key, unpack(fields))
+  if type(values) == 'table' and values.err then
+    return nil, corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
+  end
+  local rec = {}
+  for i, name in ipairs(fields) do rec[name] = values[i] end
+  local state = rec.state
+  if state then
+    if not KNOWN_STATES[state] then
+      return nil, corrupt(key, 'state', 'is ' .. string.format('%q', state) .. ', not a known state')
+    end
+    for _, name in ipairs(required or {}) do
+      if not rec[name] then return nil, corrupt(key, name, 'is missing') end
+    end
+  elseif rec.state == false and redis.call('EXISTS', key) == 1 then
+    return nil, corrupt(key, 'state', 'is missing')
+  end
+  for _, name in ipairs(numeric or {}) do
+    local v = rec[name]
+    if v and not whole(v) then
+      return nil, corrupt(key, name, 'is not a number: ' .. string.format('%q', v))
+    end
+  end
+  return rec
+end
+
+local function count(stats, field, n)
+  redis.pcall('HINCRBY', stats, field, n)
 end

@@ -30,7 +30,7 @@
              created it): the record is re-created as it was, and refused (LOST) if
              any record exists that the caller does not hold
 
-  Output: {code, token, generation, recoveries, state}
+  Output: {code, token, generation, recoveries, state}, or {CORRUPT, key, field, detail}
     ACQUIRED    the caller owns the lease with the new token
     TAKEN_OVER  the caller owns the lease; the previous owner had expired
     BUSY        a live owner holds the lease (token is theirs)
@@ -38,6 +38,8 @@
     STALE       the message is an older copy than the record
     DEAD        taking over would pass max recoveries: the record is now dead
     LOST        (re-assert only) a record exists and the caller does not hold it
+    CORRUPT     the record, the deadline index, the token sequence or the message hash is
+                not what this protocol wrote (checked before anything is written)
 ]]
 local key, deadlines, seq, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner = ARGV[1], ARGV[2]
@@ -45,9 +47,25 @@ local ttl = tonumber(ARGV[3])
 local msg_gen, msg_attempt = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_recoveries = tonumber(ARGV[6])
 local progress_timeout = tonumber(ARGV[7])
+if not (ttl and msg_gen and msg_attempt and max_recoveries and progress_timeout) then
+  return redis.error_reply('ERR acquire: ttl, generation, attempt, max recoveries and progress '
+                           .. 'timeout must be numbers (task ' .. task_id .. ')')
+end
+
+-- Everything this script depends on is read and validated before anything is written.
+local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder'},
+                      {'token', 'generation', 'recoveries', 'attempt', 'hn'}, {'token'})
+if bad then return bad end
+bad = check_type(deadlines, 'zset') or (ARGV[9] ~= '' and check_type(message, 'hash')) or nil
+if bad then return bad end
+local sequence = redis.pcall('GET', seq)
+if type(sequence) == 'table' and sequence.err then
+  return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
+elseif sequence and not whole(sequence) then
+  return corrupt(seq, 'value', 'is not a number: ' .. string.format('%q', sequence))
+end
 
 local now = now_ms()
-local rec = read(key, 'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted')
 local state = rec.state
 local token = num(rec, key, 'token')
 local generation = num(rec, key, 'generation')
@@ -58,27 +76,24 @@ local code = 1 -- ACQUIRED
 local reassert = tonumber(ARGV[13] or '')
 if reassert and reassert > 0 then
   if state then
-    local held = redis.call('HGET', key, 'holder')
-    if state == 'active' and held == string.format('%d', reassert) .. '@' .. owner then
+    if state == 'active' and rec.holder == string.format('%d', reassert) .. '@' .. owner then
       return {1, token, generation, recoveries, state}
     end
     return {7, token, generation, recoveries, state}
   end
-  redis.call('HINCRBY', stats, 'reasserted', 1)
+  count(stats, 'reasserted', 1)
 elseif state then
   if state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
     return {4, token, generation, recoveries, state}
-  elseif state ~= 'active' and state ~= 'recovering' then
-    error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
   end
   if msg_gen < generation or msg_attempt < attempt then
-    redis.call('HINCRBY', stats, 'stale_deliveries', 1)
+    count(stats, 'stale_deliveries', 1)
     return {5, token, generation, recoveries, state}
   end
   if state == 'active' and msg_attempt == attempt and msg_gen == generation then
     local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
     if deadline and deadline > now then
-      redis.call('HINCRBY', stats, 'busy_deliveries', 1)
+      count(stats, 'busy_deliveries', 1)
       return {3, token, generation, recoveries, state}
     end
     -- The owner stopped renewing and no recovery has claimed the lease yet.
@@ -90,7 +105,7 @@ elseif state then
       redis.call('DEL', message)
       redis.call('ZREM', deadlines, task_id)
       redis.call('PEXPIRE', key, tonumber(ARGV[11]))
-      redis.call('HINCRBY', stats, 'dead', 1)
+      count(stats, 'dead', 1)
       return {6, token, generation, recoveries, 'dead'}
     else
       recoveries = recoveries + 1
@@ -103,7 +118,7 @@ local new_token
 if reassert and reassert > 0 then
   -- The sequence may have lost increments along with the record: keep it at or above this token.
   new_token = reassert
-  local current = tonumber(redis.call('GET', seq) or '0') or 0
+  local current = tonumber(sequence or '0')
   if current < reassert then redis.call('SET', seq, string.format('%d', reassert)) end
 else
   new_token = redis.call('INCR', seq)
@@ -138,6 +153,6 @@ if ARGV[9] ~= '' then
 end
 redis.call('PERSIST', key)
 redis.call('ZADD', deadlines, deadline, task_id)
-redis.call('HINCRBY', stats, 'acquired', 1)
-if code == 2 then redis.call('HINCRBY', stats, 'taken_over', 1) end
+count(stats, 'acquired', 1)
+if code == 2 then count(stats, 'taken_over', 1) end
 return {code, new_token, generation, recoveries, 'active'}

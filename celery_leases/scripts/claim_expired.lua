@@ -18,63 +18,83 @@
     ARGV[3] retention in ms (unused; kept for a stable argument list)
     ARGV[4..] task id of each pair (ARGV[3+i] for KEYS[1+2i], KEYS[2+2i])
 
-  Output: list of {task id, code, generation, recoveries, name, body, envelope}
+  Output: list of {task id, code, generation, recoveries, name, body, envelope},
+  or {CORRUPT, key, field, detail} when the deadline index is not a sorted set
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
     DEAD       past max recoveries: the record is now dead. The caller stores the failure
                (and may dead-letter the body), then confirms with mark_published; an
                unconfirmed dead record is handed out again after the publish grace
+    CORRUPT    the record or its message hash is not what this protocol wrote: the row is
+               {task id, CORRUPT, key, "field detail", name, body, envelope} (body and
+               envelope when readable); the record is not touched, its id leaves the index
 ]]
 local deadlines, stats = KEYS[1], KEYS[2]
+local bad = check_type(deadlines, 'zset')
+if bad then return bad end
 local max_recoveries, grace, retention = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
 local out = {}
 local recovered, dead = 0, 0
+local fields = {'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries', 'token'}
+local numeric = {'generation', 'recoveries', 'max_recoveries', 'token'}
 
 for i = 1, (#KEYS - 2) / 2 do
   local key, message, task_id = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[3 + i]
-  local rec = read(key, 'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries')
   local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
-  local state = rec.state
-  if state == 'dead' and deadline and deadline <= now then
-    -- Declared dead by an earlier pass whose notice (LeaseExpired stored,
-    -- waiters released) was never confirmed: hand it out again.
-    local body = redis.call('HMGET', message, 'body', 'envelope')
-    redis.call('ZADD', deadlines, now + grace, task_id)
-    table.insert(out, {task_id, 6, num(rec, key, 'generation'), num(rec, key, 'recoveries'),
-                       rec.name or '', body[1] or '', body[2] or ''})
-  elseif state ~= 'active' and state ~= 'recovering' then
-    -- Finished, expired or missing: the index entry is left over.
-    if not state or state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
-      redis.call('ZREM', deadlines, task_id)
-    else
-      error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
-    end
-  elseif deadline and deadline <= now then
-    local generation = num(rec, key, 'generation') + 1
-    local recoveries = num(rec, key, 'recoveries')
-    local body = redis.call('HMGET', message, 'body', 'envelope')
-    local counted = state == 'active' and rec.unstarted ~= '1'
-    local limit = max_recoveries
-    if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
-    if counted and recoveries >= limit then
-      -- Dead; the message stays until the caller confirms its notice
-      -- (mark_published), and the index entry brings it back if it never does.
-      redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
-      redis.call('HDEL', key, 'holder')
+  local rec, bad_record = load(key, fields, numeric, {'token'})
+  if not bad_record then bad_record = check_type(message, 'hash') end
+  if bad_record and not (deadline and deadline <= now) then
+    -- Not due (renewed since it was listed, or not indexed): nothing to claim yet.
+  elseif bad_record then
+    -- One corrupt record affects its task alone: it leaves the index (so it is not
+    -- claimed on every pass) and is reported with its message, if readable, to be parked.
+    -- The record itself is left as it is, for an operator to inspect.
+    if deadline then redis.call('ZREM', deadlines, task_id) end
+    local body = redis.pcall('HMGET', message, 'body', 'envelope')
+    if body.err then body = {} end
+    local name = redis.pcall('HGET', key, 'name')
+    if type(name) ~= 'string' then name = '' end
+    table.insert(out, {task_id, CORRUPT, bad_record[2], bad_record[3] .. ' ' .. bad_record[4],
+                       name, body[1] or '', body[2] or ''})
+  else
+    local state = rec.state
+    if state == 'dead' and deadline and deadline <= now then
+      -- Declared dead by an earlier pass whose notice (LeaseExpired stored,
+      -- waiters released) was never confirmed: hand it out again.
+      local body = redis.call('HMGET', message, 'body', 'envelope')
       redis.call('ZADD', deadlines, now + grace, task_id)
-      dead = dead + 1
-      table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
-    else
-      if counted then recoveries = recoveries + 1 end
-      redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
-                 'recoveries', recoveries, 'attempt', 0)
-      redis.call('HDEL', key, 'holder')
-      redis.call('ZADD', deadlines, now + grace, task_id)
-      recovered = recovered + 1
-      table.insert(out, {task_id, 11, generation, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+      table.insert(out, {task_id, 6, num(rec, key, 'generation'), num(rec, key, 'recoveries'),
+                         rec.name or '', body[1] or '', body[2] or ''})
+    elseif state ~= 'active' and state ~= 'recovering' then
+      -- Finished, expired or missing: the index entry is left over.
+      if deadline then redis.call('ZREM', deadlines, task_id) end
+    elseif deadline and deadline <= now then
+      local generation = num(rec, key, 'generation') + 1
+      local recoveries = num(rec, key, 'recoveries')
+      local body = redis.call('HMGET', message, 'body', 'envelope')
+      local counted = state == 'active' and rec.unstarted ~= '1'
+      local limit = max_recoveries
+      if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
+      if counted and recoveries >= limit then
+        -- Dead; the message stays until the caller confirms its notice
+        -- (mark_published), and the index entry brings it back if it never does.
+        redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
+        redis.call('HDEL', key, 'holder')
+        redis.call('ZADD', deadlines, now + grace, task_id)
+        dead = dead + 1
+        table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+      else
+        if counted then recoveries = recoveries + 1 end
+        redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
+                   'recoveries', recoveries, 'attempt', 0)
+        redis.call('HDEL', key, 'holder')
+        redis.call('ZADD', deadlines, now + grace, task_id)
+        recovered = recovered + 1
+        table.insert(out, {task_id, 11, generation, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+      end
     end
   end
 end
-if recovered > 0 then redis.call('HINCRBY', stats, 'recovered', recovered) end
-if dead > 0 then redis.call('HINCRBY', stats, 'dead', dead) end
+if recovered > 0 then count(stats, 'recovered', recovered) end
+if dead > 0 then count(stats, 'dead', dead) end
 return out

@@ -14,29 +14,30 @@
     ARGV[2] token of the caller
     ARGV[3] step name
 
-  Output: {code, token}
+  Output: {code, token}, or {CORRUPT, key, field, detail}
     OK         recorded now; token is the caller's
     STEP_DONE  already recorded; token is that of the owner that recorded it
     LOST       the caller no longer owns the lease (token or owner differs, released, recovering)
     FINISHED   the record is terminal
     MISSING    there is no record for this task id
+    CORRUPT    the record (its state, token or this step's field) is not what this protocol
+               wrote; nothing written
 ]]
 local key = KEYS[1]
 local owner, token, step = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 
-local rec = read(key, 'state', 'token', 'owner')
+local field = 'step:' .. step
+local rec, bad = load(key, {'state', 'token', 'owner', field}, {'token', field}, {'token'})
+if bad then return bad end
 local state = rec.state
 if not state then return {8, 0} end
 local current = num(rec, key, 'token')
 if state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
   return {4, current}
-elseif state ~= 'active' and state ~= 'recovering' then
-  error({err = 'CORRUPT ' .. key .. ' field state is ' .. tostring(state)})
 end
 if state ~= 'active' or current ~= token or rec.owner ~= owner then return {7, current} end
 
-local field = 'step:' .. step
-local done = redis.call('HGET', key, field)
-if done then return {13, tonumber(done) or 0} end
+local done = rec[field]
+if done then return {13, tonumber(done)} end
 redis.call('HSET', key, field, ARGV[2])
 return {10, token}

@@ -13,16 +13,19 @@
     ARGV[2] hash field the value goes to ("value", or "field:<name>"; never "token")
     ARGV[3] value
 
-  Output: {code, token}
+  Output: {code, token}, or {CORRUPT, key, field, detail}
     OK           written; token is the caller's, now the resource's fence
     STALE_FENCE  refused, nothing written; token is the newer one already accepted
+    CORRUPT      the fence is not a hash, or its token is not a number; nothing written
 ]]
 local key = KEYS[1]
 local token = tonumber(ARGV[1])
 if token == nil then
   return redis.error_reply('ERR fenced_write: token ' .. tostring(ARGV[1]) .. ' for ' .. key .. ' is not a number')
 end
-local current = num(read(key, 'token'), key, 'token')
+local rec, bad = load(key, {'token'}, {'token'})
+if bad then return bad end
+local current = num(rec, key, 'token')
 if token < current then return {12, current} end
 redis.call('HSET', key, 'token', ARGV[1], ARGV[2], ARGV[3])
 return {10, token}

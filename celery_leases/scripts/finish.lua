@@ -25,27 +25,31 @@
     ARGV[8] optional, with KEYS[5]: value stored at KEYS[5] and published on the channel KEYS[5]
     ARGV[9] optional, with KEYS[5]: seconds KEYS[5] lives (0: no expiry)
 
-  Output: {code, token, state}
+  Output: {code, token, state}, or {CORRUPT, key, field, detail}
     OK        the outcome was accepted
     LOST      another owner's token is current, or the lease was released or recovered
     FINISHED  the record was already terminal
     MISSING   there is no record for this task id
+    CORRUPT   the record or the deadline index is not what this protocol wrote; nothing written
 ]]
 local key, deadlines, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local retention = tonumber(ARGV[5])
 
-local rec = read(key, 'state', 'token', 'owner')
+local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
+if bad then return bad end
+bad = check_type(deadlines, 'zset')
+if bad then return bad end
 if not rec.state then return {8, 0, ''} end
 local current = num(rec, key, 'token')
 if rec.state == 'succeeded' or rec.state == 'failed' or rec.state == 'revoked' or rec.state == 'dead' then
   if current == token and rec.state == outcome then return {10, current, rec.state} end
-  if current ~= token then redis.call('HINCRBY', stats, 'refused', 1) end
+  if current ~= token then count(stats, 'refused', 1) end
   return {4, current, rec.state}
 end
 local forced = outcome == 'revoked' and token == 0
 if not forced and (rec.state ~= 'active' or current ~= token or rec.owner ~= owner) then
-  redis.call('HINCRBY', stats, 'refused', 1)
+  count(stats, 'refused', 1)
   return {7, current, rec.state}
 end
 
@@ -55,7 +59,7 @@ if outcome == 'retry' then
   redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'attempt', tonumber(ARGV[6]))
   redis.call('HDEL', key, 'holder')
   redis.call('ZADD', deadlines, deadline, task_id)
-  redis.call('HINCRBY', stats, 'retried', 1)
+  count(stats, 'retried', 1)
   return {10, token, 'recovering'}
 end
 if outcome ~= 'succeeded' and outcome ~= 'failed' and outcome ~= 'revoked' then
@@ -66,7 +70,7 @@ redis.call('HDEL', key, 'holder')
 redis.call('DEL', message)
 redis.call('ZREM', deadlines, task_id)
 redis.call('PEXPIRE', key, retention)
-redis.call('HINCRBY', stats, outcome, 1)
+count(stats, outcome, 1)
 if KEYS[5] then
   local expires = tonumber(ARGV[9]) or 0
   if expires > 0 then

@@ -12,18 +12,23 @@
     ARGV[1] retention in ms
     ARGV[2k], ARGV[2k+1] task id and generation of the pair KEYS[2k], KEYS[2k+1]
 
-  Output: number of records confirmed (OK for each; a record acquired,
-  finished or re-claimed meanwhile is left alone)
+  Output: number of records confirmed (OK for each; a record acquired, finished,
+  re-claimed or corrupted meanwhile is left alone), or {CORRUPT, key, field, detail}
+    CORRUPT  the deadline index is not a sorted set; nothing written
 ]]
 local deadlines, retention = KEYS[1], tonumber(ARGV[1])
+local bad = check_type(deadlines, 'zset')
+if bad then return bad end
 local confirmed = 0
 for i = 1, (#KEYS - 1) / 2 do
   local key, message = KEYS[2 * i], KEYS[2 * i + 1]
   local task_id, generation = ARGV[2 * i], ARGV[2 * i + 1]
-  local v = wrongtype(key, redis.pcall('HMGET', key, 'state', 'generation'))
-  if (v[1] == 'recovering' or v[1] == 'dead') and v[2] == generation then
+  -- A record corrupted since it was claimed is left alone (and in the index, so the
+  -- next claim_expired reports it); the rest of the batch is confirmed.
+  local v = load(key, {'state', 'generation'}, {'generation'})
+  if v and (v.state == 'recovering' or v.state == 'dead') and v.generation == generation then
     redis.call('ZREM', deadlines, task_id)
-    if v[1] == 'dead' then
+    if v.state == 'dead' then
       redis.call('DEL', message)
     else
       redis.call('PEXPIRE', message, retention)

@@ -8,14 +8,19 @@
     ARGV[2] owner (worker instance id)
     ARGV[3] token of the caller
 
-  Output: {code}
+  Output: {code}, or {CORRUPT, key, field, detail}
     OK        progress recorded
     LOST      the caller no longer owns the lease
     FINISHED  the record is terminal
     MISSING   there is no record for this task id
+    CORRUPT   the record or the deadline index is not what this protocol wrote; nothing written
 ]]
 local key, deadlines = KEYS[1], KEYS[2]
-local rec = read(key, 'state', 'token', 'owner', 'ttl', 'progress_timeout')
+local rec, bad = load(key, {'state', 'token', 'owner', 'ttl', 'progress_timeout'},
+                      {'token', 'ttl', 'progress_timeout'}, {'token', 'ttl'})
+if bad then return bad end
+bad = check_type(deadlines, 'zset')
+if bad then return bad end
 if not rec.state then return {8} end
 if rec.state ~= 'active' then
   if rec.state == 'recovering' then return {7} end

@@ -10,21 +10,30 @@
             owner then does not count a recovery; 0 otherwise
     ARGV[2k+1], ARGV[2k+2] task id and token of the record KEYS[k+1]
 
-  Output: number of leases released (OK for each; leases the caller no longer
-  owns are left alone)
+  Output: {OK, released, task id, what is corrupt, task id, what is corrupt, ...}, or
+  {CORRUPT, key, field, detail} when the deadline index is not a sorted set
+    OK       released leases counted (leases the caller no longer owns are left alone);
+             then each corrupt record, skipped (its ownership cannot be checked)
+    CORRUPT  the deadline index is not a sorted set; nothing written
 ]]
 local deadlines, owner, unstarted = KEYS[1], ARGV[1], ARGV[2]
+local bad = check_type(deadlines, 'zset')
+if bad then return bad end
 local now = now_ms()
 local released = 0
+local skipped = {}
 for k = 2, #KEYS do
   local key = KEYS[k]
   local task_id, token = ARGV[2 * k - 1], tonumber(ARGV[2 * k])
-  local rec = read(key, 'state', 'token', 'owner')
-  if rec.state == 'active' and num(rec, key, 'token') == token and rec.owner == owner then
+  local rec, bad_record = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
+  if bad_record then
+    -- Ownership cannot be checked on a corrupt record: left alone, reported.
+    table.insert(skipped, task_id); table.insert(skipped, bad_record[3] .. ' ' .. bad_record[4])
+  elseif rec.state == 'active' and num(rec, key, 'token') == token and rec.owner == owner then
     redis.call('HSET', key, 'owner', '', 'unstarted', unstarted)
     redis.call('HDEL', key, 'holder')
     redis.call('ZADD', deadlines, now, task_id)
     released = released + 1
   end
 end
-return released
+return {10, released, unpack(skipped)}

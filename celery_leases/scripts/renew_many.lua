@@ -19,12 +19,18 @@
     ARGV[k+2] token of the lease whose record is KEYS[k]
 
   Output: flat list {task id, code, task id, code, ...} of the leases NOT renewed
+  (a CORRUPT entry has a third element: the field and what is wrong with it), or
+  {CORRUPT, key, field, detail} when the deadline index is not a sorted set
     LOST      the caller no longer owns this lease
     FINISHED  the record is terminal under the caller's token (nothing to renew)
     MISSING   there is no record for this task id
     STALLED   the progress timeout passed: the lease was taken from the caller
+    CORRUPT   the record is not what this protocol wrote (not a hash, an unknown or missing
+              state, a progress deadline that is not a number): not renewed, nothing written
 ]]
 local deadlines, stats = KEYS[1], KEYS[2]
+local bad = check_type(deadlines, 'zset')
+if bad then return bad end
 local suffix = '@' .. ARGV[1]
 local now = now_ms()
 local deadline = now + tonumber(ARGV[2])
@@ -33,19 +39,21 @@ local skip = tonumber(ARGV[4]) + 1
 local out = {}
 local zargs = {}
 local stalled = 0
+local fields = {'holder', 'state'}
+if check_progress then fields = {'holder', 'state', 'progress_deadline'} end
+local numeric = {'progress_deadline'}
 
 for k = 3, #KEYS do
   local key = KEYS[k]
   local token = ARGV[k + 2]
-  local holder, progress_deadline
-  if check_progress then
-    local v = wrongtype(key, redis.pcall('HMGET', key, 'holder', 'progress_deadline'))
-    holder, progress_deadline = v[1], tonumber(v[2]) or 0
-  else
-    holder = wrongtype(key, redis.pcall('HGET', key, 'holder'))
-  end
   local task_id = string.sub(key, skip)
-  if holder == token .. suffix then
+  -- A corrupt record is reported for its task alone; the rest of the batch is renewed.
+  local rec, bad_record = load(key, fields, numeric)
+  if bad_record then
+    table.insert(out, task_id); table.insert(out, CORRUPT)
+    table.insert(out, bad_record[3] .. ' ' .. bad_record[4])
+  elseif rec.holder == token .. suffix then
+    local progress_deadline = tonumber(rec.progress_deadline) or 0
     if check_progress and progress_deadline > 0 and now > progress_deadline then
       redis.call('HSET', key, 'owner', '')
       redis.call('HDEL', key, 'holder')
@@ -72,5 +80,5 @@ for k = 3, #KEYS do
   end
 end
 if #zargs > 0 then redis.call('ZADD', deadlines, unpack(zargs)) end
-if stalled > 0 then redis.call('HINCRBY', stats, 'stalled', stalled) end
+if stalled > 0 then count(stats, 'stalled', stalled) end
 return out
