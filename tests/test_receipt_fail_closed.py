@@ -85,6 +85,9 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     for _round in range(2):
         for _what, headers in MALFORMED:
             bad_ids.append(publish(client_app, f"{TASKS}.add", (1, 1), **headers))
+    # ... one of them held for its ETA (Celery keeps it in its timer until then)
+    eta = (datetime.now(timezone.utc) + timedelta(seconds=2)).isoformat()
+    bad_ids.append(publish(client_app, f"{TASKS}.add", (1, 1), eta=eta, retries="later"))
     # When ordinary tasks follow, interleaved with more malformed ones
     results = []
     for i in range(6):
@@ -98,7 +101,7 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     assert ran == {r.id for r in results}
     # ... and each malformed delivery is parked, visible, naming the field at fault
     store = celery_leases.store(client_app)
-    total = 3 * len(MALFORMED) - 3  # two rounds, plus the six interleaved
+    total = 3 * len(MALFORMED) - 3 + 1  # two rounds, the six interleaved, the ETA one
     wait_for(lambda: sum(p.count for p in store.parked(limit=1000)) >= total, 15,
              what="every malformed delivery to be parked")
     parked = store.parked(limit=1000)
@@ -114,12 +117,22 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     log = worker.log()
     assert "header lease_generation must be a non-negative integer, got 'abc'" in log
     assert "the task id is not a string: 1.5" in log
-    # ... and the worker holds no request it will never run (no prefetch slot kept)
-    wait_for(lambda: _reserved(client_app) == [], 10, what="no reserved requests left")
+    # ... and the worker holds no request it will never run (no prefetch slot kept), the
+    # ETA one included once its ETA passed
+    time.sleep(max(0.0, (datetime.fromisoformat(eta) - datetime.now(timezone.utc)).total_seconds()))
+    wait_for(lambda: _reserved(client_app) == [] and _scheduled(client_app) == [], 10,
+             what="no reserved or scheduled requests left")
+    assert client_app.signature(f"{TASKS}.add", (41, 1)).delay().get(timeout=15) == 42
 
 
 def _reserved(app) -> list:
     replies = app.control.inspect(timeout=2).reserved() or {}
+    assert replies, "the worker did not answer inspect"
+    return [r for requests in replies.values() for r in requests]
+
+
+def _scheduled(app) -> list:
+    replies = app.control.inspect(timeout=2).scheduled() or {}
     assert replies, "the worker did not answer inspect"
     return [r for requests in replies.values() for r in requests]
 
