@@ -368,6 +368,8 @@ class LeaseWorker:
         env = envelope_of(message)
         headers = dict(env["headers"])
         requeues = headers.get(REQUEUES_HEADER) or 0
+        if type(requeues) is not int or requeues < 0:  # validated at receipt; a last resort here
+            requeues = 0
         if delay is None:
             delay = requeue_delay(self.config.unavailable_retry_delay,
                                   self.config.unavailable_retry_max_delay, requeues)

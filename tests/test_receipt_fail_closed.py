@@ -55,6 +55,7 @@ MALFORMED = [
     ("lease_generation negative", {"lease_generation": -1}),
     ("retries not a number", {"retries": "x"}),
     ("retries float", {"retries": 0.5}),
+    ("lease_requeues not a number", {"lease_requeues": "x"}),
 ]
 
 
@@ -101,17 +102,17 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     assert ran == {r.id for r in results}
     # ... and each malformed delivery is parked, visible, naming the field at fault
     store = celery_leases.store(client_app)
-    total = 3 * len(MALFORMED) - 3 + 1  # two rounds, the six interleaved, the ETA one
+    total = 2 * len(MALFORMED) + 6 + 1  # two rounds, the six interleaved, the ETA one
     wait_for(lambda: sum(p.count for p in store.parked(limit=1000)) >= total, 15,
              what="every malformed delivery to be parked")
     parked = store.parked(limit=1000)
     fields = {p.field for p in parked}
-    assert {"id", "lease_generation", "retries"} <= fields, fields
+    assert {"id", "lease_generation", "retries", "lease_requeues"} <= fields, fields
     by_id = {p.task_id: p for p in parked}
     for task_id in bad_ids:
         # A usable id is parked under itself; a bad id's delivery under its repr.
         if task_id in by_id:
-            assert by_id[task_id].field in ("lease_generation", "retries")
+            assert by_id[task_id].field in ("lease_generation", "retries", "lease_requeues")
             assert by_id[task_id].field in by_id[task_id].reason
     assert repr(None) in by_id and repr(1.5) in by_id and repr("bad-\ud800-id") in by_id
     log = worker.log()
