@@ -126,6 +126,23 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     assert client_app.signature(f"{TASKS}.add", (41, 1)).delay().get(timeout=15) == 42
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_leased_task_that_reaches_its_pool_without_a_lease_is_parked_not_run(pool, client_app,
+                                                                             start_worker, history):
+    # Given a worker whose acquire at receipt never runs (its task_received hook is gone)
+    worker = start_worker("a", pool=pool, LEASES_TEST_NO_RECEIPT_HOOK="1")
+    # When leased tasks arrive
+    results = [client_app.signature(f"{TASKS}.add", (i, 1)).delay() for i in range(3)]
+    # Then none runs its body without a lease: each is parked, its waiter released
+    for result in results:
+        with pytest.raises(DeliveryParked, match="no lease was acquired at receipt"):
+            result.get(timeout=15)
+    assert [h for h in history() if h[0] == "start"] == []
+    assert "no lease was acquired at receipt" in worker.log()
+    # ... and a plain task still runs
+    assert client_app.signature(f"{TASKS}.plain_sleep", ("P",)).delay().get(timeout=15) == "P"
+
+
 def _reserved(app) -> list:
     replies = app.control.inspect(timeout=2).reserved() or {}
     assert replies, "the worker did not answer inspect"
