@@ -213,7 +213,8 @@ def test_corrupt_records_are_parked_never_run_and_never_looped(pool, client_app,
     assert ran == {ordinary.id, beside.id}
 
 
-def test_store_unreachable_requeues_with_growing_capped_delays(celery_env, start_worker, tmp_path):
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_store_unreachable_requeues_with_growing_capped_delays(pool, celery_env, start_worker, tmp_path):
     # Given a lease store on its own server, base delay 0.5 s capped at 2 s
     lease_redis = RedisServer(dir=tmp_path).start()
     try:
@@ -221,7 +222,7 @@ def test_store_unreachable_requeues_with_growing_capped_delays(celery_env, start
                "LEASES_TEST_UNAVAILABLE_DELAY": "0.5", "LEASES_TEST_UNAVAILABLE_MAX_DELAY": "2"}
         from tests.apps.leased_app import create_app
         app = create_app(env)
-        worker = start_worker("a", **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        worker = start_worker("a", pool=pool, **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
         # When the store goes down and a task arrives
         lease_redis.stop()
         result = app.signature(f"{TASKS}.add_unbound", (20, 22)).delay()
