@@ -15,7 +15,7 @@
                              a record's fields (HMGET) as a table, validated: the key a hash,
                              state (if read) a known state, each numeric field present a whole
                              number, each required field present when the record exists, and
-                             a hash without a state is corrupt. Returns rec, or nil and the
+                             a hash with any of the fields read but no state is corrupt. Returns rec, or nil and the
                              CORRUPT reply naming key and field. Scripts load everything they
                              depend on first, then write.
   count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
@@ -94,8 +94,12 @@ local function load(key, fields, numeric, required)
     for _, name in ipairs(required or {}) do
       if not rec[name] then return nil, corrupt(key, name, 'is missing') end
     end
-  elseif rec.state == false and redis.call('EXISTS', key) == 1 then
-    return nil, corrupt(key, 'state', 'is missing')
+  elseif rec.state == false then
+    -- Without a state, a hash holding any of the other fields read is a broken record
+    -- (a fresh task's key does not exist: all of them are missing, and no EXISTS is needed).
+    for i = 1, #fields do
+      if values[i] then return nil, corrupt(key, 'state', 'is missing') end
+    end
   end
   for _, name in ipairs(numeric or {}) do
     local v = rec[name]
