@@ -58,7 +58,7 @@ local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attem
 if bad then return bad end
 -- The deadline read doubles as the index's type check.
 local indexed = redis.pcall('ZSCORE', deadlines, task_id)
-if type(indexed) == 'table' and indexed.err then
+if wrong_type(indexed) then
   return corrupt(deadlines, 'type', 'is not a sorted set (' .. redis.call('TYPE', deadlines).ok .. ')')
 end
 bad = ARGV[9] ~= '' and check_type(message, 'hash') or nil
@@ -67,7 +67,7 @@ local reassert = tonumber(ARGV[13] or '')
 local sequence
 if reassert and reassert > 0 then
   sequence = redis.pcall('GET', seq)
-  if type(sequence) == 'table' and sequence.err then
+  if wrong_type(sequence) then
     return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
   elseif sequence and not whole(sequence) then
     return corrupt(seq, 'value', 'is not a number: ' .. string.format('%q', sequence))
@@ -135,8 +135,10 @@ else
   if type(new_token) == 'table' and new_token.err then
     if string.find(new_token.err, 'WRONGTYPE', 1, true) then
       return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
+    elseif string.find(new_token.err, 'not an integer', 1, true) then
+      return corrupt(seq, 'value', 'is not a counter: ' .. new_token.err)
     end
-    return corrupt(seq, 'value', 'is not a counter: ' .. new_token.err)
+    return new_token -- READONLY (a failover), OOM, ...: the server's own error, nothing written
   end
   local floor = token + 1
   if ARGV[12] == '1' then

@@ -53,7 +53,7 @@ for k = 3, #KEYS do
     v = redis.pcall('HMGET', key, 'holder', 'state')
   end
   local bad_record
-  if v.err then
+  if wrong_type(v) then
     bad_record = corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
   elseif v[1] == token .. suffix and v[2] == 'active' then
     local progress_deadline = 0
