@@ -200,7 +200,7 @@ def test_recover_dry_run_claims_nothing_and_recover_republishes(cli, store, clie
     assert (record.state, record.generation, record.recoveries) == ("recovering", 1, 1)
     assert redis_client.llen(key_prefix) == 1   # the copy waits in the test's queue
     assert json.loads(ok(cli("recover", "--json"))) == {"recovered": 0, "dead": 0,
-                                                        "publish_failed": 0, "errors": []}
+                                                        "publish_failed": 0, "corrupt": 0, "errors": []}
 
 
 # -- stats and top --------------------------------------------------------------------------
