@@ -637,6 +637,14 @@ class LeaseStore:
                     report.corrupt += 1
                     self._corrupt_claim(claim, on_corrupt)
                     continue
+                if claim.error is not None and claim.code is Code.RECOVERED and on_corrupt is not None:
+                    # Claimed, but its stored message cannot be re-published (an envelope
+                    # that is not JSON): as permanent as a corrupt record, so parked and
+                    # confirmed (out of the index) instead of failing every publish grace.
+                    report.corrupt += 1
+                    self._corrupt_claim(claim, on_corrupt)
+                    published.append(claim)
+                    continue
                 try:
                     if claim.error is not None and claim.code is not Code.DEAD:
                         raise claim.error
