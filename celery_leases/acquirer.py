@@ -220,7 +220,7 @@ class Acquirer:
             try:
                 _raise_if_corrupt(reply, f"task {job.call.get('task_id')}")
                 result = acquisition_of(reply)
-            except LeaseError as exc:  # CorruptRecord, naming the key and field
+            except LeaseError as exc:  # CORRUPT: CorruptRecord names the key and field
                 result = exc
             except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
                 result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")

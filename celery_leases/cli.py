@@ -328,7 +328,7 @@ def recover(ctx: click.Context, dry_run: bool, limit: int | None, as_json: bool)
         _emit_json({**report.as_dict(), "errors": errors})
     else:
         click.echo(f"recovered {report.recovered}, dead {report.dead}, "
-                   f"publish failed {report.publish_failed}")
+                   f"publish failed {report.publish_failed}, corrupt {report.corrupt}")
         for error in errors:
             click.echo(f"  {error['task_id']}: {error['error']} (claimed again after the publish grace)")
     if report.publish_failed:

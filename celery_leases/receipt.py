@@ -68,44 +68,42 @@ def usable_id(task_id: Any) -> bool:
     return True
 
 
-def _integer_header(headers: Any, name: str, what: str) -> None:
+def _integer_header(request: Any, headers: Any, name: str) -> None:
     value = headers.get(name)
-    if value is None:
+    if value is None or (type(value) is int and 0 <= value < _MAX_INT):
         return
-    if type(value) is not int or not 0 <= value < _MAX_INT:
-        raise MalformedMessage(f"{what}: header {name} must be a non-negative integer, "
-                               f"got {value!r}", field=name)
+    raise MalformedMessage(f"task {describe(request)}: header {name} must be a non-negative integer, "
+                           f"got {value!r}", field=name)
 
 
 def validate_message(request: Any) -> None:
     """Raise MalformedMessage naming the delivery and the field unless it can be leased.
 
-    Cheap (type checks and one encode), since every delivery of a leased
-    task passes here: the id must be a non-empty UTF-8 string and the one in
-    the headers (recovery re-publishes those headers, so they must carry it),
-    the lease headers integers, the body bytes.
+    Cheap (type checks and one encode, about a microsecond), since every
+    delivery of a leased task passes here: the id must be a non-empty UTF-8
+    string and the one in the headers (recovery re-publishes those headers,
+    so they must carry it), the lease headers integers, the body bytes.
     """
     task_id = request.id
-    what = f"task {describe(request)}"
     if not usable_id(task_id):
         kind = "missing" if task_id is None else (
             "empty" if task_id == "" else "not a string" if not isinstance(task_id, str)
             else "not valid UTF-8 (a lone surrogate)")
-        raise MalformedMessage(f"{what}: the task id is {kind}: {task_id!r}", field="id")
+        raise MalformedMessage(f"task {describe(request)}: the task id is {kind}: {task_id!r}", field="id")
     message = request.message
     headers = message.headers
     if not isinstance(headers, dict):
-        raise MalformedMessage(f"{what}: the message has no headers (got {headers!r}); a leased "
-                               f"task needs Celery's message protocol 2", field="headers")
+        raise MalformedMessage(f"task {describe(request)}: the message has no headers (got {headers!r}); "
+                               f"a leased task needs Celery's message protocol 2", field="headers")
     if headers.get("id") != task_id:
-        raise MalformedMessage(f"{what}: header id is missing or differs from the task id: "
-                               f"{headers.get('id')!r}", field="id")
-    _integer_header(headers, "lease_generation", what)
-    _integer_header(headers, REQUEUES_HEADER, what)
-    _integer_header(request.request_dict, "retries", what)
+        raise MalformedMessage(f"task {describe(request)}: header id is missing or differs from the "
+                               f"task id: {headers.get('id')!r}", field="id")
+    _integer_header(request, headers, "lease_generation")
+    _integer_header(request, headers, REQUEUES_HEADER)
+    _integer_header(request, request.request_dict, "retries")
     if not isinstance(message.body, (bytes, bytearray, str)):
-        raise MalformedMessage(f"{what}: the message body is not bytes: {type(message.body).__name__}",
-                               field="body")
+        raise MalformedMessage(f"task {describe(request)}: the message body is not bytes: "
+                               f"{type(message.body).__name__}", field="body")
 
 
 class DeliveryWindow:
@@ -120,23 +118,30 @@ class DeliveryWindow:
 
     def __init__(self, limit: int, window: float = 60.0, clock: Callable[[], float] = monotonic) -> None:
         self.limit, self.window, self.clock = limit, window, clock
-        self._seen: OrderedDict[str, deque] = OrderedDict()
+        #: id -> the time of its one delivery (most ids), or a log of up to ``limit`` times.
+        self._seen: OrderedDict[str, float | deque] = OrderedDict()
 
     def admit(self, task_id: str) -> float:
         """0.0 when the delivery is admitted (and counted), else seconds until the window has room."""
         now = self.clock()
         seen = self._seen
-        # Forget ids whose last delivery left the window (oldest touched first).
+        # Forget ids whose last delivery left the window (least recently touched first).
         while seen:
             oldest = next(iter(seen.values()))
-            if now - oldest[-1] < self.window:
+            last = oldest[-1] if isinstance(oldest, deque) else oldest
+            if now - last < self.window:
                 break
             seen.popitem(last=False)
         times = seen.get(task_id)
         if times is None:
-            seen[task_id] = deque((now,), maxlen=self.limit)
+            seen[task_id] = now  # a float until a second delivery: most ids see one
             return 0.0
         seen.move_to_end(task_id)
+        if not isinstance(times, deque):
+            if self.limit > 1 or now - times >= self.window:
+                seen[task_id] = deque((times, now), maxlen=max(self.limit, 1))
+                return 0.0
+            return self.window - (now - times)
         if len(times) >= self.limit:
             wait = self.window - (now - times[0])
             if wait > 0:
@@ -147,7 +152,11 @@ class DeliveryWindow:
     def room_in(self, task_id: str) -> float:
         """Seconds until ``task_id`` may be admitted again (0.0: now); counts nothing."""
         times = self._seen.get(task_id)
-        if times is None or len(times) < self.limit:
+        if times is None:
+            return 0.0
+        if not isinstance(times, deque):
+            times = deque((times,))
+        if len(times) < self.limit:
             return 0.0
         return max(0.0, self.window - (self.clock() - times[0]))
 

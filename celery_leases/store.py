@@ -17,7 +17,7 @@ from redis.exceptions import ClusterError, NoScriptError, ReadOnlyError, Respons
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .codes import OUTCOMES, TERMINAL_STATES, Code
+from .codes import OUTCOMES, STATES, TERMINAL_STATES, Code
 from .connection import connect, describe
 from .direct import BUSY, DirectCaller
 from .direct import supported as direct_supported
@@ -66,12 +66,15 @@ class LeaseRecord:
                 values[name] = int(data.get(name, b"0") or 0)
             except ValueError:
                 raise CorruptRecord(f"lease record {key} of task {task_id}: field {name} is not a "
-                                    f"number: {data[name]!r}") from None
+                                    f"number: {data[name]!r}", key, name) from None
         try:
             state = data["state"].decode()
         except (KeyError, UnicodeDecodeError) as exc:
             raise CorruptRecord(f"lease record {key} of task {task_id}: field state is "
-                                f"missing or unreadable: {exc!r}") from None
+                                f"missing or unreadable: {exc!r}", key, "state") from None
+        if state not in STATES:  # as the scripts' validation: one of the six, or corrupt
+            raise CorruptRecord(f"lease record {key} of task {task_id}: field state is {state!r}, "
+                                f"not a known state", key, "state")
         history = []
         try:
             for name, entry in data.items():
@@ -634,6 +637,14 @@ class LeaseStore:
                     report.corrupt += 1
                     self._corrupt_claim(claim, on_corrupt)
                     continue
+                if claim.error is not None and claim.code is Code.RECOVERED and on_corrupt is not None:
+                    # Claimed, but its stored message cannot be re-published (an envelope
+                    # that is not JSON): as permanent as a corrupt record, so parked and
+                    # confirmed (out of the index) instead of failing every publish grace.
+                    report.corrupt += 1
+                    self._corrupt_claim(claim, on_corrupt)
+                    published.append(claim)
+                    continue
                 try:
                     if claim.error is not None and claim.code is not Code.DEAD:
                         raise claim.error
@@ -683,7 +694,7 @@ class LeaseStore:
         keys = self.keys
 
         def read() -> list:
-            ids = self.client.zrange(keys.parked, 0, int(limit) - 1)
+            ids: list[Any] = list(self.client.zrange(keys.parked, 0, int(limit) - 1))
             if not ids:
                 return []
             return list(zip(ids, self.client.hmget(keys.parked_meta, ids)))

@@ -333,12 +333,10 @@ class LeaseWorker:
                             "unreachable (%s re-queue(s))", task.name, request.id, acq.token, requeues or 0)
             return
         generation = int((message.headers or {}).get("lease_generation") or 0)
-        if acq.code is Code.BUSY:
-            held = self.heartbeat.held.get(request.id)
-            busy = (f"this worker already holds a live lease (token {acq.token})"
-                    if held is not None and held.token == acq.token
-                    else f"another worker holds a live lease (token {acq.token})")
-        reason = {Code.BUSY: busy if acq.code is Code.BUSY else "",
+        held = self.heartbeat.held.get(request.id) if acq.code is Code.BUSY else None
+        holder = "this worker already holds" if held is not None and held.token == acq.token \
+            else "another worker holds"
+        reason = {Code.BUSY: f"{holder} a live lease (token {acq.token})",
                   Code.FINISHED: f"the task already finished ({acq.state})",
                   Code.STALE: f"stale copy of the message (generation {generation}, "
                               f"current {acq.generation})",
@@ -369,6 +367,8 @@ class LeaseWorker:
         env = envelope_of(message)
         headers = dict(env["headers"])
         requeues = headers.get(REQUEUES_HEADER) or 0
+        if type(requeues) is not int or requeues < 0:  # validated at receipt; a last resort here
+            requeues = 0
         if delay is None:
             delay = requeue_delay(self.config.unavailable_retry_delay,
                                   self.config.unavailable_retry_max_delay, requeues)

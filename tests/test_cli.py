@@ -200,7 +200,7 @@ def test_recover_dry_run_claims_nothing_and_recover_republishes(cli, store, clie
     assert (record.state, record.generation, record.recoveries) == ("recovering", 1, 1)
     assert redis_client.llen(key_prefix) == 1   # the copy waits in the test's queue
     assert json.loads(ok(cli("recover", "--json"))) == {"recovered": 0, "dead": 0,
-                                                        "publish_failed": 0, "errors": []}
+                                                        "publish_failed": 0, "corrupt": 0, "errors": []}
 
 
 # -- stats and top --------------------------------------------------------------------------
@@ -390,3 +390,24 @@ def test_replay_refuses_while_the_record_is_corrupt_and_reset_record_runs_it(
 def test_replay_of_an_unknown_id_is_not_found(cli):
     result = cli("replay", "nope")
     assert result.returncode == 1 and "no parked delivery for task nope" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["state", "type"])
+def test_replay_names_every_kind_of_corrupt_record(cli, store, kind):
+    key = store.keys.record("p-bad")
+    if kind == "state":
+        store.client.hset(key, mapping={"state": "bogus", "token": "1"})
+    else:
+        store.client.rpush(key, "x")
+    store.park("p-bad", "corrupt", name=f"{TASKS}.add", body=b"b", envelope=ENVELOPE, key=key, field=kind)
+    refused = cli("replay", "p-bad")
+    assert refused.returncode == 1 and key in refused.stderr and "--reset-record" in refused.stderr
+    assert store.parked_entry("p-bad") is not None
+
+
+def test_replay_refuses_a_finished_record_unless_reset(cli, store):
+    finished(store, "p-done")
+    store.park("p-done", "malformed", name=f"{TASKS}.add", body=b"b", envelope=ENVELOPE)
+    refused = cli("replay", "p-done")
+    assert refused.returncode == 1 and "succeeded" in refused.stderr and "--reset-record" in refused.stderr
+    assert store.parked_entry("p-done") is not None

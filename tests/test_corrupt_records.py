@@ -94,3 +94,30 @@ def test_a_live_worker_with_one_corrupt_record_keeps_renewing_the_others(
     # And the four finish normally, each run once
     assert [r.get(timeout=20) for r in good] == ["v1", "v2", "v3", "v4"]
     assert all(len(starts(history, r.id)) == 1 for r in good)
+
+
+@pytest.mark.parametrize("kind", ["type", "counter"])
+def test_a_corrupt_stats_key_does_not_stop_any_task(kind, client_app, start_worker, history, redis_client):
+    """(Was a bug: a stats key of the wrong type failed the acquire of every leased task.)
+    Counters are best effort; reading them names the key (test_scripts_validation.py)."""
+    # Given the shard's stats key is a list (or one counter is not a number)
+    store = celery_leases.store(client_app)
+    if kind == "type":
+        redis_client.rpush(store.keys.stats, "not", "a", "hash")
+    else:
+        redis_client.hset(store.keys.stats, "acquired", "12x")
+    before = redis_client.dump(store.keys.stats)
+    start_worker("a", concurrency=2)
+    # When tasks run, Then each runs once, with a lease, and succeeds
+    results = [client_app.signature(f"{TASKS}.sleep_then_echo", (f"v{i}", 0.1)).delay() for i in range(4)]
+    assert [r.get(timeout=20) for r in results] == [f"v{i}" for i in range(4)]
+    for r in results:
+        (start,) = starts(history, r.id)
+        assert start[3]["token"] not in ("", "None")
+        assert store.get(r.id).state == "succeeded"
+    # And the corrupt key (or counter) is as it was; the other counters still count
+    if kind == "type":
+        assert redis_client.dump(store.keys.stats) == before
+    else:
+        assert redis_client.hget(store.keys.stats, "acquired") == b"12x"
+        assert int(redis_client.hget(store.keys.stats, "succeeded")) == 4

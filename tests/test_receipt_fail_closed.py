@@ -16,10 +16,9 @@ from typing import Any
 import celery
 import kombu
 import pytest
-import redis
 
 import celery_leases
-from celery_leases import LeasedTask, LeaseStore, install
+from celery_leases import LeasedTask, install
 from celery_leases.config import get_config
 from celery_leases.exceptions import DeliveryParked
 from celery_leases.processes import RedisServer
@@ -56,6 +55,7 @@ MALFORMED = [
     ("lease_generation negative", {"lease_generation": -1}),
     ("retries not a number", {"retries": "x"}),
     ("retries float", {"retries": 0.5}),
+    ("lease_requeues not a number", {"lease_requeues": "x"}),
 ]
 
 
@@ -86,6 +86,9 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     for _round in range(2):
         for _what, headers in MALFORMED:
             bad_ids.append(publish(client_app, f"{TASKS}.add", (1, 1), **headers))
+    # ... one of them held for its ETA (Celery keeps it in its timer until then)
+    eta = (datetime.now(timezone.utc) + timedelta(seconds=2)).isoformat()
+    bad_ids.append(publish(client_app, f"{TASKS}.add", (1, 1), eta=eta, retries="later"))
     # When ordinary tasks follow, interleaved with more malformed ones
     results = []
     for i in range(6):
@@ -99,28 +102,55 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
     assert ran == {r.id for r in results}
     # ... and each malformed delivery is parked, visible, naming the field at fault
     store = celery_leases.store(client_app)
-    total = 3 * len(MALFORMED) - 3  # two rounds, plus the six interleaved
+    total = 2 * len(MALFORMED) + 6 + 1  # two rounds, the six interleaved, the ETA one
     wait_for(lambda: sum(p.count for p in store.parked(limit=1000)) >= total, 15,
              what="every malformed delivery to be parked")
     parked = store.parked(limit=1000)
     fields = {p.field for p in parked}
-    assert {"id", "lease_generation", "retries"} <= fields, fields
+    assert {"id", "lease_generation", "retries", "lease_requeues"} <= fields, fields
     by_id = {p.task_id: p for p in parked}
     for task_id in bad_ids:
         # A usable id is parked under itself; a bad id's delivery under its repr.
         if task_id in by_id:
-            assert by_id[task_id].field in ("lease_generation", "retries")
+            assert by_id[task_id].field in ("lease_generation", "retries", "lease_requeues")
             assert by_id[task_id].field in by_id[task_id].reason
     assert repr(None) in by_id and repr(1.5) in by_id and repr("bad-\ud800-id") in by_id
     log = worker.log()
     assert "header lease_generation must be a non-negative integer, got 'abc'" in log
     assert "the task id is not a string: 1.5" in log
-    # ... and the worker holds no request it will never run (no prefetch slot kept)
-    wait_for(lambda: _reserved(client_app) == [], 10, what="no reserved requests left")
+    # ... and the worker holds no request it will never run (no prefetch slot kept), the
+    # ETA one included once its ETA passed
+    time.sleep(max(0.0, (datetime.fromisoformat(eta) - datetime.now(timezone.utc)).total_seconds()))
+    wait_for(lambda: _reserved(client_app) == [] and _scheduled(client_app) == [], 10,
+             what="no reserved or scheduled requests left")
+    assert client_app.signature(f"{TASKS}.add", (41, 1)).delay().get(timeout=15) == 42
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_leased_task_that_reaches_its_pool_without_a_lease_is_parked_not_run(pool, client_app,
+                                                                             start_worker, history):
+    # Given a worker whose acquire at receipt never runs (its task_received hook is gone)
+    worker = start_worker("a", pool=pool, LEASES_TEST_NO_RECEIPT_HOOK="1")
+    # When leased tasks arrive
+    results = [client_app.signature(f"{TASKS}.add", (i, 1)).delay() for i in range(3)]
+    # Then none runs its body without a lease: each is parked, its waiter released
+    for result in results:
+        with pytest.raises(DeliveryParked, match="no lease was acquired at receipt"):
+            result.get(timeout=15)
+    assert [h for h in history() if h[0] == "start"] == []
+    assert "no lease was acquired at receipt" in worker.log()
+    # ... and a plain task still runs
+    assert client_app.signature(f"{TASKS}.plain_sleep", ("P",)).delay().get(timeout=15) == "P"
 
 
 def _reserved(app) -> list:
     replies = app.control.inspect(timeout=2).reserved() or {}
+    assert replies, "the worker did not answer inspect"
+    return [r for requests in replies.values() for r in requests]
+
+
+def _scheduled(app) -> list:
+    replies = app.control.inspect(timeout=2).scheduled() or {}
     assert replies, "the worker did not answer inspect"
     return [r for requests in replies.values() for r in requests]
 
@@ -138,49 +168,53 @@ def _received(worker, task_id: str) -> list[float]:
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_corrupt_records_are_parked_never_run_and_never_looped(pool, client_app, start_worker,
                                                                 history, redis_client):
-    # Given a worker, and three tasks whose lease records are corrupt before they arrive:
-    # a finished record and an active one whose token is not a number
+    # Given a worker, and tasks whose lease keys are corrupt before they arrive: a finished
+    # record and an active one whose token is not a number, a record that is not a hash
     worker = start_worker("a", pool=pool)
     store = celery_leases.store(client_app)
-    finished, active = str(uuid.uuid4()), str(uuid.uuid4())
+    finished, active, wrong_type = (str(uuid.uuid4()) for _ in range(3))
     redis_client.hset(store.keys.record(finished), mapping={"state": "succeeded", "token": "x1"})
     redis_client.hset(store.keys.record(active), mapping={"state": "active", "token": "x2",
                                                           "owner": "elsewhere"})
+    redis_client.set(store.keys.record(wrong_type), "not a hash")
+    corrupt = {task_id: "token" for task_id in (finished, active)}
+    corrupt[wrong_type] = "type"
     # When copies of them are delivered (and an ordinary task beside them)
-    corrupt = [client_app.signature(f"{TASKS}.add", (1, 2)).apply_async(task_id=t)
-               for t in (finished, active)]
+    results = {t: client_app.signature(f"{TASKS}.add", (1, 2)).apply_async(task_id=t) for t in corrupt}
     ordinary = client_app.signature(f"{TASKS}.add", (0, 1)).delay()
     assert ordinary.get(timeout=30) == 1
     # Then their waiters are released with DeliveryParked naming the key and the field
-    for result, task_id in zip(corrupt, (finished, active)):
+    for task_id, field in corrupt.items():
         with pytest.raises(DeliveryParked) as parked:
-            result.get(timeout=15, propagate=True)
-        assert store.keys.record(task_id) in str(parked.value) and "token" in str(parked.value)
+            results[task_id].get(timeout=15, propagate=True)
+        assert store.keys.record(task_id) in str(parked.value) and field in str(parked.value)
     # ... over 10 s each was delivered once: parked, not re-queued (main: ~2,500 publishes)
     time.sleep(10)
-    for task_id in (finished, active):
+    for task_id in corrupt:
         assert len(_received(worker, task_id)) == 1, _received(worker, task_id)
-    assert {p.task_id for p in store.parked()} >= {finished, active}
-    # When the stats key holds the wrong type (every acquire of the shard fails)
+    assert {p.task_id for p in store.parked()} >= set(corrupt)
+    # When the stats key holds the wrong type (counters only: every acquire of the shard
+    # touches it; main re-queued every leased task in a loop)
     stats = store.keys.shard_for(finished).stats
     redis_client.delete(stats)
     redis_client.set(stats, "not a hash")
     try:
-        wrong = client_app.signature(f"{TASKS}.add", (2, 2)).delay()
-        # Then that delivery is parked too, naming the key, and not looped
-        with pytest.raises(DeliveryParked) as parked:
-            wrong.get(timeout=15)
-        assert stats in str(parked.value) or "WRONGTYPE" in str(parked.value)
-        time.sleep(5)
-        assert len(_received(worker, wrong.id)) == 1
+        beside = client_app.signature(f"{TASKS}.add", (2, 2)).delay()
+        # Then the task runs once under its lease (a counter is no reason to refuse it),
+        # delivered once
+        assert beside.get(timeout=15) == 4
+        time.sleep(3)
+        assert len(_received(worker, beside.id)) == 1
+        assert store.get(beside.id).state == "succeeded"
     finally:
         redis_client.delete(stats)
-    # ... and no body ran but the ordinary task's
+    # ... and no body of a corrupt record ran
     ran = {task_id for event, task_id, *_ in history() if event == "start"}
-    assert ran == {ordinary.id}
+    assert ran == {ordinary.id, beside.id}
 
 
-def test_store_unreachable_requeues_with_growing_capped_delays(celery_env, start_worker, tmp_path):
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_store_unreachable_requeues_with_growing_capped_delays(pool, celery_env, start_worker, tmp_path):
     # Given a lease store on its own server, base delay 0.5 s capped at 2 s
     lease_redis = RedisServer(dir=tmp_path).start()
     try:
@@ -188,7 +222,7 @@ def test_store_unreachable_requeues_with_growing_capped_delays(celery_env, start
                "LEASES_TEST_UNAVAILABLE_DELAY": "0.5", "LEASES_TEST_UNAVAILABLE_MAX_DELAY": "2"}
         from tests.apps.leased_app import create_app
         app = create_app(env)
-        worker = start_worker("a", **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        worker = start_worker("a", pool=pool, **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
         # When the store goes down and a task arrives
         lease_redis.stop()
         result = app.signature(f"{TASKS}.add_unbound", (20, 22)).delay()
@@ -320,7 +354,10 @@ def test_past_the_delivery_window_a_delivery_is_postponed_never_run_sooner(in_pr
         worker.on_received(request)
         admitted.append(request)
     assert admitted[0].request_dict.get("lease_token")
-    assert all(r.request_dict.get("lease_skip") for r in admitted[1:])  # busy: the first holds it
+    # (the first holds it: the duplicates are told it is this worker, #14.7)
+    token = admitted[0].request_dict["lease_token"]
+    assert [r.request_dict.get("lease_skip") for r in admitted[1:]] == \
+        [f"this worker already holds a live lease (token {token})"] * 2
     # When a fourth delivery arrives within the minute
     fourth = Request(task, message, task_id)
     worker.on_received(fourth)

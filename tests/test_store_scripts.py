@@ -1114,11 +1114,31 @@ def test_a_corrupt_envelope_is_a_corrupt_record_naming_the_key(store):
     store.client.hset(key, "envelope", b"{not json")
     wait_out()
 
-    # When a recovery pass claims it, Then it reports a CorruptRecord naming the key
+    # When a recovery pass claims it without an on_corrupt handler, Then it reports a
+    # CorruptRecord naming the key (and claims it again after the publish grace)
     report = store.recover(publish=Recorder().publish)
     assert report.publish_failed == 1
     [(task_id, error)] = report.errors
     assert task_id == "t1" and isinstance(error, CorruptRecord) and key in str(error)
+
+
+def test_a_corrupt_envelope_is_parked_once_with_an_on_corrupt_handler(make_store):
+    # Given an expired lease whose stored envelope is not JSON
+    store = make_store(publish_grace=SHORT)
+    acquire(store, "t1", A, ttl=SHORT)
+    key = store.keys.message("t1")
+    store.client.hset(key, "envelope", b"{not json")
+    wait_out()
+    # When recovery passes run with an on_corrupt handler (the Celery side parks)
+    parked, rec = [], Recorder()
+    report = store.recover(publish=rec.publish, on_corrupt=parked.append)
+    wait_out()
+    again = store.recover(publish=rec.publish, on_corrupt=parked.append)
+    # Then it is handed over once, naming the key and field, and leaves the index
+    assert (report.corrupt, report.publish_failed, again.corrupt) == (1, 0, 0)
+    (claim,) = parked
+    assert claim.error.key == key and claim.error.field == "envelope" and claim.body == BODY
+    assert rec.published == [] and store.client.zscore(store.keys.deadlines, "t1") is None
 
 
 def test_a_corrupt_envelope_does_not_starve_the_healthy_leases_of_its_batch(make_store):

@@ -8,6 +8,7 @@
   num(rec, key, field)       a numeric field or an error naming key and field
   history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
   corrupt(key, field, detail)  the CORRUPT reply {CORRUPT, key, field, detail}
+  wrong_type(reply)          true for a pcall reply that is WRONGTYPE (other errors are raised)
   check_type(key, want)      nil when key is missing or of type want, else a CORRUPT reply
                              (field "type"); checked before any write, since Redis does not
                              roll back a script that fails half-way
@@ -15,7 +16,7 @@
                              a record's fields (HMGET) as a table, validated: the key a hash,
                              state (if read) a known state, each numeric field present a whole
                              number, each required field present when the record exists, and
-                             a hash without a state is corrupt. Returns rec, or nil and the
+                             a hash with any of the fields read but no state is corrupt. Returns rec, or nil and the
                              CORRUPT reply naming key and field. Scripts load everything they
                              depend on first, then write.
   count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
@@ -62,6 +63,15 @@ local function corrupt(key, field, detail)
   return {CORRUPT, key, field, detail}
 end
 
+local function wrong_type(reply)
+  -- True for a pcall reply that is WRONGTYPE; any other error is raised as it is.
+  if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'WRONGTYPE', 1, true) then return true end
+    error(reply)
+  end
+  return false
+end
+
 local function check_type(key, want)
   local t = redis.call('TYPE', key).ok
   if t ~= 'none' and t ~= want then
@@ -81,7 +91,7 @@ end
 
 local function load(key, fields, numeric, required)
   local values = redis.pcall('HMGET', key, unpack(fields))
-  if type(values) == 'table' and values.err then
+  if wrong_type(values) then
     return nil, corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
   end
   local rec = {}
@@ -94,8 +104,12 @@ local function load(key, fields, numeric, required)
     for _, name in ipairs(required or {}) do
       if not rec[name] then return nil, corrupt(key, name, 'is missing') end
     end
-  elseif rec.state == false and redis.call('EXISTS', key) == 1 then
-    return nil, corrupt(key, 'state', 'is missing')
+  elseif rec.state == false then
+    -- Without a state, a hash holding any of the other fields read is a broken record
+    -- (a fresh task's key does not exist: all of them are missing, and no EXISTS is needed).
+    for i = 1, #fields do
+      if values[i] then return nil, corrupt(key, 'state', 'is missing') end
+    end
   end
   for _, name in ipairs(numeric or {}) do
     local v = rec[name]
@@ -107,5 +121,9 @@ local function load(key, fields, numeric, required)
 end
 
 local function count(stats, field, n)
-  redis.pcall('HINCRBY', stats, field, n)
+  local reply = redis.pcall('HINCRBY', stats, field, n)
+  if type(reply) == 'table' and reply.err and not (string.find(reply.err, 'WRONGTYPE', 1, true)
+      or string.find(reply.err, 'not an integer', 1, true)) then
+    error(reply) -- READONLY (a failover) and the like: the server's own error, not a corrupt counter
+  end
 end

@@ -56,13 +56,22 @@ end
 local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder'},
                       {'token', 'generation', 'recoveries', 'attempt', 'hn'}, {'token'})
 if bad then return bad end
-bad = check_type(deadlines, 'zset') or (ARGV[9] ~= '' and check_type(message, 'hash')) or nil
+-- The deadline read doubles as the index's type check.
+local indexed = redis.pcall('ZSCORE', deadlines, task_id)
+if wrong_type(indexed) then
+  return corrupt(deadlines, 'type', 'is not a sorted set (' .. redis.call('TYPE', deadlines).ok .. ')')
+end
+bad = ARGV[9] ~= '' and check_type(message, 'hash') or nil
 if bad then return bad end
-local sequence = redis.pcall('GET', seq)
-if type(sequence) == 'table' and sequence.err then
-  return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
-elseif sequence and not whole(sequence) then
-  return corrupt(seq, 'value', 'is not a number: ' .. string.format('%q', sequence))
+local reassert = tonumber(ARGV[13] or '')
+local sequence
+if reassert and reassert > 0 then
+  sequence = redis.pcall('GET', seq)
+  if wrong_type(sequence) then
+    return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
+  elseif sequence and not whole(sequence) then
+    return corrupt(seq, 'value', 'is not a number: ' .. string.format('%q', sequence))
+  end
 end
 
 local now = now_ms()
@@ -73,7 +82,6 @@ local recoveries = num(rec, key, 'recoveries')
 local attempt = num(rec, key, 'attempt')
 
 local code = 1 -- ACQUIRED
-local reassert = tonumber(ARGV[13] or '')
 if reassert and reassert > 0 then
   if state then
     if state == 'active' and rec.holder == string.format('%d', reassert) .. '@' .. owner then
@@ -91,7 +99,7 @@ elseif state then
     return {5, token, generation, recoveries, state}
   end
   if state == 'active' and msg_attempt == attempt and msg_gen == generation then
-    local deadline = tonumber(redis.call('ZSCORE', deadlines, task_id))
+    local deadline = tonumber(indexed)
     if deadline and deadline > now then
       count(stats, 'busy_deliveries', 1)
       return {3, token, generation, recoveries, state}
@@ -121,7 +129,17 @@ if reassert and reassert > 0 then
   local current = tonumber(sequence or '0')
   if current < reassert then redis.call('SET', seq, string.format('%d', reassert)) end
 else
-  new_token = redis.call('INCR', seq)
+  -- The first write of this path, so a sequence that is not a counter is answered
+  -- before anything is written (INCR fails on a wrong type or a non-integer).
+  new_token = redis.pcall('INCR', seq)
+  if type(new_token) == 'table' and new_token.err then
+    if string.find(new_token.err, 'WRONGTYPE', 1, true) then
+      return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
+    elseif string.find(new_token.err, 'not an integer', 1, true) then
+      return corrupt(seq, 'value', 'is not a counter: ' .. new_token.err)
+    end
+    return new_token -- READONLY (a failover), OOM, ...: the server's own error, nothing written
+  end
   local floor = token + 1
   if ARGV[12] == '1' then
     -- Each shard has its own sequence: tokens of different shards are ordered by

@@ -51,7 +51,7 @@ for i = 1, (#KEYS - 2) / 2 do
     -- The record itself is left as it is, for an operator to inspect.
     if deadline then redis.call('ZREM', deadlines, task_id) end
     local body = redis.pcall('HMGET', message, 'body', 'envelope')
-    if body.err then body = {} end
+    if wrong_type(body) then body = {} end
     local name = redis.pcall('HGET', key, 'name')
     if type(name) ~= 'string' then name = '' end
     table.insert(out, {task_id, CORRUPT, bad_record[2], bad_record[3] .. ' ' .. bad_record[4],

@@ -39,22 +39,33 @@ local skip = tonumber(ARGV[4]) + 1
 local out = {}
 local zargs = {}
 local stalled = 0
-local fields = {'holder', 'state'}
-if check_progress then fields = {'holder', 'state', 'progress_deadline'} end
-local numeric = {'progress_deadline'}
 
 for k = 3, #KEYS do
   local key = KEYS[k]
   local token = ARGV[k + 2]
   local task_id = string.sub(key, skip)
-  -- A corrupt record is reported for its task alone; the rest of the batch is renewed.
-  local rec, bad_record = load(key, fields, numeric)
-  if bad_record then
-    table.insert(out, task_id); table.insert(out, CORRUPT)
-    table.insert(out, bad_record[3] .. ' ' .. bad_record[4])
-  elseif rec.holder == token .. suffix then
-    local progress_deadline = tonumber(rec.progress_deadline) or 0
-    if check_progress and progress_deadline > 0 and now > progress_deadline then
+  -- The hot path reads holder and state and compares them; anything else goes to the
+  -- checks below, where a corrupt record is reported for its task alone.
+  local v
+  if check_progress then
+    v = redis.pcall('HMGET', key, 'holder', 'state', 'progress_deadline')
+  else
+    v = redis.pcall('HMGET', key, 'holder', 'state')
+  end
+  local bad_record
+  if wrong_type(v) then
+    bad_record = corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
+  elseif v[1] == token .. suffix and v[2] == 'active' then
+    local progress_deadline = 0
+    if check_progress and v[3] then
+      progress_deadline = whole(v[3])
+      if not progress_deadline then
+        bad_record = corrupt(key, 'progress_deadline', 'is not a number: ' .. string.format('%q', v[3]))
+      end
+    end
+    if bad_record then
+      -- reported below
+    elseif check_progress and progress_deadline > 0 and now > progress_deadline then
       redis.call('HSET', key, 'owner', '')
       redis.call('HDEL', key, 'holder')
       table.insert(zargs, now); table.insert(zargs, task_id)
@@ -63,16 +74,24 @@ for k = 3, #KEYS do
     else
       table.insert(zargs, deadline); table.insert(zargs, task_id)
     end
+  elseif v[2] and not KNOWN_STATES[v[2]] then
+    bad_record = corrupt(key, 'state', 'is ' .. string.format('%q', v[2]) .. ', not a known state')
+  elseif not v[2] and redis.call('EXISTS', key) == 1 then
+    bad_record = corrupt(key, 'state', 'is missing')
   else
     -- Not ours any more: find out why (rare, so the extra read is fine).
-    local v = redis.call('HMGET', key, 'state', 'token')
+    local current = redis.call('HGET', key, 'token')
     local code = 7
-    if not v[1] then
+    if not v[2] then
       code = 8
-    elseif v[2] == token and v[1] ~= 'active' and v[1] ~= 'recovering' then
+    elseif current == token and v[2] ~= 'active' and v[2] ~= 'recovering' then
       code = 4
     end
     table.insert(out, task_id); table.insert(out, code)
+  end
+  if bad_record then
+    table.insert(out, task_id); table.insert(out, CORRUPT)
+    table.insert(out, bad_record[3] .. ' ' .. bad_record[4])
   end
   if #zargs >= 4000 then
     redis.call('ZADD', deadlines, unpack(zargs))

@@ -55,6 +55,12 @@ def create_app(env: Mapping[str, str]) -> Celery:
         worker_hijack_root_logger=False,
     )
     celery_leases.install(app)
+    if get("LEASES_TEST_NO_RECEIPT_HOOK") == "1":
+        # A worker whose acquire at receipt never runs (a hook lost): bodies must still not run unleased.
+        from celery.signals import task_received
+
+        from celery_leases.worker import _on_task_received
+        task_received.disconnect(_on_task_received)
     # A Redis Cluster too (tests/test_cluster.py); a Sentinel store records through LEASES_TEST_HISTORY_URL.
     sink = connect(get("LEASES_TEST_HISTORY_URL") or app.conf.leases_redis_url)
 
