@@ -34,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from .direct import close_connection, open_connection, supported
+from .errors import lease_error
 from .exceptions import LeaseError
 from .resp import Incomplete, pack, parse
 from .scripts import scripts
@@ -196,7 +197,7 @@ class Acquirer:
             except LeaseError as exc:
                 result = exc
         elif isinstance(reply, Exception):
-            error = self.store.script_error(scripts.acquire, reply, f"task {job.call.get('task_id')}")
+            error = lease_error(reply, f"acquire (task {job.call.get('task_id')})", self.store.description)
             result = error if isinstance(error, LeaseError) else LeaseError(repr(reply))
         else:
             try:
@@ -218,7 +219,7 @@ class Acquirer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        error = self.store.script_error(scripts.acquire, exc, "acquire connection")
+        error = lease_error(exc, "acquire (acquire connection)", self.store.description)
         if not isinstance(error, LeaseError):
             error = LeaseError(f"acquire failed on {self.store.description}: {exc!r}")
         jobs = list(self._inflight)

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis
-from redis.exceptions import ClusterError, NoScriptError, ReadOnlyError, ResponseError, SlotNotCoveredError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .codes import OUTCOMES, TERMINAL_STATES, Code
 from .connection import connect, describe
 from .direct import BUSY, DirectCaller
 from .direct import supported as direct_supported
+from .errors import lease_error
 from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
 from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
@@ -143,12 +143,6 @@ def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
 
-#: Errors after which a call may succeed later: the server unreachable, a cluster's
-#: failover in progress, READONLY from a master demoted by a failover.
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError,
-                ReadOnlyError)
-
-
 class LeaseStore:
     """Leases of one key prefix on one Redis (a server, or a Redis Cluster).
 
@@ -210,18 +204,9 @@ class LeaseStore:
                 raise
             raise error from exc
 
-    def script_error(self, script: Script, exc: Exception, what: str) -> Exception:
-        """The LeaseError a Redis error of ``script`` becomes (anything else unchanged)."""
-        if isinstance(exc, _UNAVAILABLE):
-            return LeaseUnavailable(
-                f"lease store at {self.description} unreachable during {script.name} "
-                f"({what}): {exc}")
-        if isinstance(exc, ResponseError):
-            text = str(exc)
-            if "CORRUPT" in text or "WRONGTYPE" in text:
-                return CorruptRecord(f"{script.name} ({what}): {text}")
-            return LeaseError(f"{script.name} ({what}) failed on {self.description}: {text}")
-        return exc
+    def script_error(self, script: Script, exc: BaseException, what: str) -> BaseException:
+        """The LeaseError a Redis error of ``script`` becomes (anything else unchanged): errors.py."""
+        return lease_error(exc, f"{script.name} ({what})", self.description)
 
     def _run_many(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
                   what: str) -> list:
@@ -324,12 +309,11 @@ class LeaseStore:
     def _read(self, fn: Callable[[], Any], what: str) -> Any:
         try:
             return fn()
-        except _UNAVAILABLE as exc:
-            raise LeaseUnavailable(f"lease store at {self.description} unreachable ({what}): {exc}") from exc
-        except ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                raise CorruptRecord(f"{what}: {exc}") from exc
-            raise LeaseError(f"{what} failed on {self.description}: {exc}") from exc
+        except Exception as exc:
+            error = lease_error(exc, what, self.description)
+            if error is exc:
+                raise
+            raise error from exc
 
     # -- transitions ---------------------------------------------------------
 
@@ -765,8 +749,10 @@ class LeaseStore:
             values, has_message, deadline = rows[3 * i:3 * i + 3]
             try:
                 for value in (values, has_message, deadline):
-                    if isinstance(value, ResponseError):  # e.g. WRONGTYPE: not a hash
-                        raise CorruptRecord(f"lease record {key} of task {task_id}: {value}")
+                    if isinstance(value, Exception):  # e.g. WRONGTYPE: not a hash
+                        error = lease_error(value, f"reading lease record {key} of task {task_id}",
+                                            self.description)
+                        raise error from value
                 if values[0] is None:  # gone (expired or purged) since it was listed
                     continue
                 raw = {f.encode(): v for f, v in zip(fields, values) if v is not None}
