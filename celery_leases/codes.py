@@ -34,6 +34,9 @@ class Code(enum.IntEnum):
     STALE_FENCE = 12
     #: complete_step: the step was already recorded (by this or an earlier owner).
     STEP_DONE = 13
+    #: finish: the call reached the server after its not-after moment (its caller had
+    #: given up waiting): nothing was changed. Numbered apart from the codes above.
+    LATE = 20
 
 
 #: Lease states, as stored in the record's ``state`` field.

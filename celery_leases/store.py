@@ -348,7 +348,7 @@ class LeaseStore:
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,
-               write: tuple[str, bytes | str, int] | None = None) -> None:
+               write: tuple[str, bytes | str, int] | None = None, not_after: int = 0) -> None:
         """Record the owner's outcome; raises LeaseLost when the caller is not the owner.
 
         ``retry`` hands the lease to attempt ``next_attempt``, which must acquire
@@ -357,14 +357,20 @@ class LeaseStore:
         also SET ``key`` and PUBLISH ``value`` on the channel ``key`` in the same
         script, so an accepted outcome and its result record land together and
         a refused one writes neither (``key`` must live on the same server).
+
+        Safe to send again when its reply was lost: the same finish of the same
+        owner and token answers OK once applied. ``not_after`` (server-clock
+        ms, 0: none): a copy reaching the server later changes nothing and
+        raises LeaseLost with reason "late" (settle.py). A holder whose record
+        is gone re-creates it under its token (finish.lua).
         """
         if outcome not in OUTCOMES:
             raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
                              f"expected one of {OUTCOMES}")
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
-        keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id)]
+        keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id), shard.sequence]
         args = [task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
-                _ms(self.publish_grace if retry_grace is None else retry_grace)]
+                _ms(self.publish_grace if retry_grace is None else retry_grace), int(not_after)]
         if write is not None:
             if outcome == "retry":
                 raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
@@ -875,7 +881,9 @@ def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> N
     if code is Code.OK:
         return
     reason = {Code.LOST: "lost", Code.FINISHED: f"already finished ({state})" if state else "finished",
-              Code.MISSING: "missing"}.get(code, code.name.lower())
+              Code.MISSING: "missing",
+              Code.LATE: "late: the finish reached the store after its not-after moment"}.get(
+        code, code.name.lower())
     raise LeaseLost(task_id, token, reason)
 
 
