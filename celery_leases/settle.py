@@ -18,10 +18,11 @@ longer renewed, expires and recovery re-runs the task. docs/celery.md
 The not-after moment needs the server's clock in this process. ``ServerClock``
 reads it with one TIME call and then follows it on the monotonic clock (one
 TIME per process per ``REFRESH`` seconds, not per task), with error bounds:
-the call's round trip and a drift of ``DRIFT`` (1000 ppm, well above what
-NTP-disciplined clocks allow). A server whose clock is stepped backwards by
-more than that while a finish is pending defeats the bound (the deadlines of
-every lease rest on the same clock).
+the call's round trip, a drift of ``DRIFT`` (1000 ppm, well above what
+NTP-disciplined clocks allow) and ``MARGIN`` (servers of one store that
+disagree on the time). A server whose clock is stepped backwards by more than
+that while a finish is pending defeats the bound (the deadlines of every
+lease rest on the same clock).
 
 Knows nothing of Celery.
 """
@@ -48,6 +49,9 @@ logger = logging.getLogger("celery_leases.task")
 REFRESH = 60.0
 #: Relative rate error allowed between this host's monotonic clock and the server's clock.
 DRIFT = 1e-3
+#: Seconds added before giving up: the servers a finish may reach (a cluster's masters,
+#: a Sentinel's new master after a failover) may disagree on the time by this much.
+MARGIN = 0.25
 #: First pause between copies of a finish, doubled after each, up to MAX_DELAY.
 FIRST_DELAY, MAX_DELAY = 0.25, 2.0
 
@@ -84,7 +88,7 @@ class ServerClock:
     def past(self, server_ms: int) -> float:
         """The local time from which the server's clock surely reads more than ``server_ms``."""
         server, _, t1 = self._reading()
-        return t1 + max(0, server_ms + 1 - server) / (1000 * (1 - DRIFT))
+        return t1 + MARGIN + max(0, server_ms + 1 - server) / (1000 * (1 - DRIFT))
 
     def _reading(self) -> tuple[int, float, float]:
         if self.reading is None:
