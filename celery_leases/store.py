@@ -20,7 +20,7 @@ from .connection import connect, describe
 from .direct import BUSY, DirectCaller
 from .direct import supported as direct_supported
 from .errors import lease_error
-from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
+from .exceptions import CorruptRecord, LeaseError, LeaseLost
 from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
 

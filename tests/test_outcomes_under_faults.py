@@ -206,3 +206,29 @@ def test_an_outcome_finishing_just_after_the_store_restarted_empty_is_accepted(
     assert [h[3]["value"] for h in history() if h[0] == "callback"] == ["kept"]
     assert int(redis.Redis.from_url(store_server.url).get(store.keys.shard_for(result.id).sequence)) >= token
     assert "refused" not in worker.log()
+
+
+def test_a_main_process_outcome_whose_reply_was_lost_is_settled_too(
+        celery_env, store_server, redis_server_url, make_app, start_worker, history):
+    # Given a task killed by its hard time limit (1 s): the worker's main process records
+    # its FAILURE, and the store stalls just then
+    env = fault_env(celery_env, store_server, redis_server_url, ttl=20)
+    app = make_app(env)
+    worker = start_worker("a", pool="prefork", concurrency=1, **env)
+    assert app.signature(f"{TASKS}.add", (1, 1)).delay().get(timeout=30) == 2  # scripts cached
+    result = app.signature(f"{TASKS}.hard_limited").delay()
+    wait_for(lambda: started(history, {result.id}) == 1, 20, what="the body to start")
+    time.sleep(0.7)
+    os.kill(store_server.process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.6)  # past the limit and the first copy's 1 s socket timeout
+    finally:
+        os.kill(store_server.process.pid, signal.SIGCONT)
+    # Then the main process's finish was settled by asking again: the failure is stored
+    from celery.exceptions import TimeLimitExceeded
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=30)
+    assert celery_leases.store(app).get(result.id).state == "failed"
+    log = worker.log()
+    assert "no answer to the finish" in log and "settled by copy" in log
+    assert "refused" not in log
