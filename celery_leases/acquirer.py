@@ -35,6 +35,7 @@ from redis.exceptions import NoScriptError
 
 from .direct import close_connection, open_connection, supported
 from .codes import Code
+from .errors import lease_error
 from .exceptions import LeaseError, LeaseUnavailable
 from .receipt import MalformedMessage
 from .resp import Incomplete, pack, parse
@@ -214,7 +215,7 @@ class Acquirer:
             except LeaseError as exc:
                 result = exc
         elif isinstance(reply, Exception):
-            error = self.store.script_error(scripts.acquire, reply, f"task {job.call.get('task_id')}")
+            error = lease_error(reply, f"acquire (task {job.call.get('task_id')})", self.store.description)
             result = error if isinstance(error, LeaseError) else LeaseError(repr(reply))
         else:
             try:
@@ -239,7 +240,7 @@ class Acquirer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        error = self.store.script_error(scripts.acquire, exc, "acquire connection")
+        error = lease_error(exc, "acquire (acquire connection)", self.store.description)
         if not isinstance(error, LeaseUnavailable):
             # Whatever broke the connection (out of step included), no job on it
             # was answered: each is tried again as if the store had been unreachable.

@@ -38,6 +38,9 @@ class Code(enum.IntEnum):
     #: an unknown state, a key of the wrong type); nothing was written. The reply names
     #: the key and the field: {CORRUPT, key, field, detail}.
     CORRUPT = 14
+    #: finish: the call reached the server after its not-after moment (its caller had
+    #: given up waiting): nothing was changed. Numbered apart from the codes above.
+    LATE = 20
 
 
 #: Lease states, as stored in the record's ``state`` field.

@@ -18,9 +18,10 @@ Rules that keep it as safe as redis-py:
 - any error closes the connection; a connection error (not a timeout) on a
   connection held from an earlier call (the server restarted, a failover)
   sends the call once more on a new one, as redis-py's default retry does;
-- ``READONLY`` (a master demoted under us) closes the connection, as
-  redis-py's Sentinel connections do, and is raised (the store counts it as
-  unavailable);
+- an error reply that says the server cannot serve us now (``READONLY``
+  from a master demoted under us, ``LOADING``, ``MASTERDOWN``: errors.py)
+  closes the connection, as redis-py's Sentinel connections do, and is
+  raised (the store maps it to LeaseUnavailable);
 - ``NOSCRIPT`` (the server lost its script cache) is left to the caller,
   which sends the script through redis-py with its source.
 """
@@ -31,8 +32,9 @@ import threading
 from typing import Any, Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 
+from .errors import lease_error
+from .exceptions import LeaseUnavailable
 from .resp import Incomplete, pack, parse
 
 #: Returned by ``call`` when another thread holds the connection: use redis-py.
@@ -99,9 +101,9 @@ class DirectCaller:
                 if not reused:
                     raise
                 reply = self._round_trip(command, pid)  # the held connection had gone stale
-            if isinstance(reply, ReadOnlyError):
-                self._drop()  # a reconnect may reach the new master
             if isinstance(reply, Exception):
+                if isinstance(lease_error(reply, "EVALSHA"), LeaseUnavailable):
+                    self._drop()  # a reconnect may reach the new master
                 raise reply
             return reply
         finally:

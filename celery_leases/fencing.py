@@ -23,12 +23,11 @@ import uuid
 from typing import Any, Mapping, Union
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .codes import Code
-from .exceptions import CorruptRecord, LeaseUnavailable, StaleFence
+from .connection import describe
+from .errors import lease_error
+from .exceptions import CorruptRecord, StaleFence
 from .keys import Keys
 from .scripts import scripts
 
@@ -110,14 +109,15 @@ def fenced_get(client: redis.Redis, keys: Union[Keys, str], resource: str, *,
 
 
 def _call(client: redis.Redis, key: str, fn: Any) -> Any:
+    """``fn()``, its Redis errors mapped as everywhere else (errors.py): READONLY after a
+    failover is LeaseUnavailable, a key of another type CorruptRecord."""
     try:
         return fn()
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise LeaseUnavailable(f"fenced write store unreachable ({key}): {exc}") from exc
-    except ResponseError as exc:
-        if "WRONGTYPE" in str(exc) or "CORRUPT" in str(exc):
-            raise CorruptRecord(f"{key} is not a fence hash: {exc}") from exc
-        raise
+    except Exception as exc:
+        error = lease_error(exc, f"fenced write or read of {key}", describe(client))
+        if error is exc:
+            raise
+        raise error from exc
 
 
 # -- SQL ----------------------------------------------------------------------

@@ -18,9 +18,14 @@ from celery.worker.state import task_ready
 
 from .exceptions import LeaseLost, LeaseUnavailable
 from .runtime import get_worker
+from .settle import settle_finish
 from .signals import stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.worker")
+
+#: Seconds a main-process finish (a hard time limit's FAILURE, a REVOKED) is sent again
+#: when its reply is lost: the event loop waits meanwhile.
+MAIN_PROCESS_BOUND = 2.0
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -104,12 +109,26 @@ class LeasedRequest(Request):
             worker.forget(self.id, token)
 
     def _lease_finish(self, outcome: str, token: int | None) -> bool:
-        """Record a main-process outcome; False when it must not be written."""
+        """Record a main-process outcome; False when it must not be written.
+
+        A lost reply is settled by sending the finish again (settle.py), as in
+        the pool process, but for at most MAIN_PROCESS_BOUND seconds (or the
+        heartbeat interval, if shorter): this runs in the worker's event loop,
+        which then waits no longer than it did for one call. Past that the
+        outcome is withheld and no copy can apply any more; recovery re-runs
+        the task.
+        """
         worker = get_worker(self._app)
         if worker is None or token is None:
             return True
+        store, owner = worker.store, self._request_dict["lease_owner"]
+
+        def send(not_after: int) -> None:
+            store.finish(self.id, owner, token, outcome, not_after=not_after)
+
         try:
-            worker.store.finish(self.id, self._request_dict["lease_owner"], token, outcome)
+            bound = min(MAIN_PROCESS_BOUND, worker.task_config(self.task).heartbeat_interval)
+            settle_finish(store, send, bound=bound, task_id=self.id, token=token)
             return True
         except (LeaseLost, LeaseUnavailable) as exc:
             reason = getattr(exc, "reason", str(exc))

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis
-from redis.exceptions import ClusterError, NoScriptError, ReadOnlyError, ResponseError, SlotNotCoveredError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .codes import OUTCOMES, STATES, TERMINAL_STATES, Code
 from .connection import connect, describe
 from .direct import BUSY, DirectCaller
 from .direct import supported as direct_supported
-from .exceptions import CorruptRecord, LeaseError, LeaseLost, LeaseUnavailable
+from .errors import lease_error
+from .exceptions import CorruptRecord, LeaseError, LeaseLost
 from .keys import Keys, ShardKeys
 from .scripts import Script, scripts
 
@@ -190,12 +190,6 @@ def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
 
-#: Errors after which a call may succeed later: the server unreachable, a cluster's
-#: failover in progress, READONLY from a master demoted by a failover.
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError,
-                ReadOnlyError)
-
-
 class LeaseStore:
     """Leases of one key prefix on one Redis (a server, or a Redis Cluster).
 
@@ -262,18 +256,9 @@ class LeaseStore:
                 raise
             raise error from exc
 
-    def script_error(self, script: Script, exc: Exception, what: str) -> Exception:
-        """The LeaseError a Redis error of ``script`` becomes (anything else unchanged)."""
-        if isinstance(exc, _UNAVAILABLE):
-            return LeaseUnavailable(
-                f"lease store at {self.description} unreachable during {script.name} "
-                f"({what}): {exc}")
-        if isinstance(exc, ResponseError):
-            text = str(exc)
-            if "CORRUPT" in text or "WRONGTYPE" in text:
-                return CorruptRecord(f"{script.name} ({what}): {text}")
-            return LeaseError(f"{script.name} ({what}) failed on {self.description}: {text}")
-        return exc
+    def script_error(self, script: Script, exc: BaseException, what: str) -> BaseException:
+        """The LeaseError a Redis error of ``script`` becomes (anything else unchanged): errors.py."""
+        return lease_error(exc, f"{script.name} ({what})", self.description)
 
     def _run_many(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
                   what: str) -> list:
@@ -376,12 +361,11 @@ class LeaseStore:
     def _read(self, fn: Callable[[], Any], what: str) -> Any:
         try:
             return fn()
-        except _UNAVAILABLE as exc:
-            raise LeaseUnavailable(f"lease store at {self.description} unreachable ({what}): {exc}") from exc
-        except ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                raise CorruptRecord(f"{what}: {exc}") from exc
-            raise LeaseError(f"{what} failed on {self.description}: {exc}") from exc
+        except Exception as exc:
+            error = lease_error(exc, what, self.description)
+            if error is exc:
+                raise
+            raise error from exc
 
     # -- transitions ---------------------------------------------------------
 
@@ -416,7 +400,7 @@ class LeaseStore:
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,
-               write: tuple[str, bytes | str, int] | None = None) -> None:
+               write: tuple[str, bytes | str, int] | None = None, not_after: int = 0) -> None:
         """Record the owner's outcome; raises LeaseLost when the caller is not the owner.
 
         ``retry`` hands the lease to attempt ``next_attempt``, which must acquire
@@ -425,14 +409,20 @@ class LeaseStore:
         also SET ``key`` and PUBLISH ``value`` on the channel ``key`` in the same
         script, so an accepted outcome and its result record land together and
         a refused one writes neither (``key`` must live on the same server).
+
+        Safe to send again when its reply was lost: the same finish of the same
+        owner and token answers OK once applied. ``not_after`` (server-clock
+        ms, 0: none): a copy reaching the server later changes nothing and
+        raises LeaseLost with reason "late" (settle.py). A holder whose record
+        is gone re-creates it under its token (finish.lua).
         """
         if outcome not in OUTCOMES:
             raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
                              f"expected one of {OUTCOMES}")
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
-        keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id)]
+        keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id), shard.sequence]
         args = [task_id, owner, int(token), outcome, _ms(self.retention), int(next_attempt),
-                _ms(self.publish_grace if retry_grace is None else retry_grace)]
+                _ms(self.publish_grace if retry_grace is None else retry_grace), int(not_after)]
         if write is not None:
             if outcome == "retry":
                 raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
@@ -977,8 +967,10 @@ class LeaseStore:
             values, has_message, deadline = rows[3 * i:3 * i + 3]
             try:
                 for value in (values, has_message, deadline):
-                    if isinstance(value, ResponseError):  # e.g. WRONGTYPE: not a hash
-                        raise CorruptRecord(f"lease record {key} of task {task_id}: {value}")
+                    if isinstance(value, Exception):  # e.g. WRONGTYPE: not a hash
+                        error = lease_error(value, f"reading lease record {key} of task {task_id}",
+                                            self.description)
+                        raise error from value
                 if values[0] is None:  # gone (expired or purged) since it was listed
                     continue
                 raw = {f.encode(): v for f, v in zip(fields, values) if v is not None}
@@ -1119,7 +1111,9 @@ def _raise_unless_ok(code: Code, task_id: str, token: int, state: str = "") -> N
     if code is Code.OK:
         return
     reason = {Code.LOST: "lost", Code.FINISHED: f"already finished ({state})" if state else "finished",
-              Code.MISSING: "missing"}.get(code, code.name.lower())
+              Code.MISSING: "missing",
+              Code.LATE: "late: the finish reached the store after its not-after moment"}.get(
+        code, code.name.lower())
     raise LeaseLost(task_id, token, reason)
 
 

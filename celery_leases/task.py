@@ -23,6 +23,7 @@ from .exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavaila
 from .lease import DETACHED, Lease
 from .results import fused_write, mark_stored
 from .runtime import get_store, get_worker
+from .settle import settle_finish
 from .signals import stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.task")
@@ -172,17 +173,29 @@ class LeasedTask(Task):
 
     def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,
                 retry_grace: float | None = None, write: Any = None) -> None:
-        """Record the outcome, or raise StaleOutcome so nothing of it leaves the worker."""
+        """Record the outcome, or raise StaleOutcome so nothing of it leaves the worker.
+
+        A finish whose reply is lost is sent again until the store answers
+        (settle.py), for up to the lease's ttl: the answer says whether it was
+        applied, never an assumption. Past that no copy can apply any more, and
+        the outcome is withheld for recovery to re-run the task.
+        """
+        store = lease.store
+
+        def send(not_after: int) -> None:
+            store.finish(lease.task_id, lease.owner, lease.token, outcome, next_attempt=next_attempt,
+                         retry_grace=retry_grace, write=write, not_after=not_after)
+
         try:
-            self._store_call(lambda: lease.store.finish(lease.task_id, lease.owner, lease.token,
-                                                        outcome, next_attempt=next_attempt,
-                                                        retry_grace=retry_grace, write=write), lease)
+            settle_finish(store, send, bound=self.lease_ttl or get_config(self.app).ttl,
+                          task_id=lease.task_id, token=lease.token)
         except LeaseLost as exc:
             lease._lost = True
             refuse(self, lease.task_id, lease.token, outcome, exc.reason)
 
     def _store_call(self, fn, lease: Lease) -> Any:
-        """One retry on an unreachable store, then withhold the outcome (recovery re-runs it)."""
+        """One retry on an unreachable store, then give up (a release: recovery takes the lease
+        after its ttl instead; finishes are settled by _finish)."""
         try:
             return fn()
         except LeaseUnavailable:

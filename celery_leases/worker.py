@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import bootsteps
 from celery.exceptions import TaskRevokedError
-from celery.signals import task_received, worker_shutdown
+from celery.signals import task_received, worker_process_init, worker_shutdown
 from celery.worker.state import active_requests, reserved_requests
 
 from .acquirer import Acquirer, Job
@@ -34,6 +34,7 @@ from .receipt import (REQUEUES_HEADER, DeliveryWindow, ServerClock, Throttled, d
                       requeue_delay, usable_id, validate_message)
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
+from .settle import server_clock
 from .signals import delivery_refused, lease_acquired, lease_lost
 from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured, wait_for_store
 from .store import Acquisition
@@ -93,6 +94,8 @@ class LeaseWorker:
         # Wait for the lease store like Celery waits for its broker at start;
         # past the retries this raises LeaseUnavailable naming leases_redis_url.
         wait_for_store(self.app, self.clock.sample)  # also the first reading of its clock
+        # The reading of the server's clock a finish's not-after needs (settle.py).
+        server_clock(self.store).read()
         # Scripts are read once, here: the pool processes inherit them, and a
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()
@@ -631,6 +634,20 @@ def _on_task_received(sender: Any = None, request: Any = None, **kwargs: Any) ->
     worker = get_worker(task.app)
     if worker is not None:
         worker.on_received(request)
+
+
+@worker_process_init.connect
+def _on_worker_process_init(sender: Any = None, **kwargs: Any) -> None:
+    """A prefork child reads the store's clock before its first finish needs it (settle.py),
+    so a store that stalls during that finish does not find it without a reading."""
+    from celery import current_app
+    app = current_app._get_current_object()
+    if not getattr(app, "_celery_leases_installed", False):
+        return
+    try:
+        server_clock(get_store(app)).fresh()  # a store away now: the first finish reads it
+    except LeaseError as exc:
+        logger.debug("celery-leases: pool process could not read the store's clock: %s", exc)
 
 
 @worker_shutdown.connect

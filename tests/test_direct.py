@@ -178,6 +178,15 @@ def test_a_read_only_server_counts_as_unavailable(tmp_path, key_prefix):
             assert "read only replica" in str(exc_info.value)
         # And the direct connection was dropped: the next call connects anew
         assert store._direct._conn is None
+        # And every other path that writes says the same (errors.py): a pipeline of
+        # script calls over two shards, a plain write, a finish
+        sharded = LeaseStore(redis.Redis.from_url(replica.url), prefix=key_prefix, shards=2)
+        for name, call in {"pipeline": lambda: sharded.claim_expired(ids=[f"t{i}" for i in range(6)]),
+                           "write": lambda: store.try_recovery_turn("w1", 1.0),
+                           "finish": lambda: store.finish("t", "w1", 1, "succeeded")}.items():
+            with pytest.raises(LeaseUnavailable) as exc_info:
+                call()
+            assert "read only replica" in str(exc_info.value), name
     finally:
         for server in (replica, primary):
             server.stop()

@@ -91,6 +91,48 @@ def test_redis_a_key_of_another_type_is_reported(redis_client, key_prefix):
         fenced_set(redis_client, key_prefix, "r", 1, "v")
 
 
+def test_redis_a_read_only_replica_is_unavailable_not_a_raw_error(tmp_path, key_prefix):
+    """A failover demotes the master the fence writes go to: READONLY means "try again
+    later" here as on every other path (errors.py), never a raw ResponseError."""
+    from celery_leases import LeaseUnavailable
+    from tests.redis_server import RedisServer
+    primary = RedisServer(dir=tmp_path / "primary").start()
+    replica = RedisServer(dir=tmp_path / "replica").start()
+    try:
+        primary_client = primary.client()
+        assert fenced_set(primary_client, key_prefix, "r", 3, "v")
+        replica.client().replicaof("127.0.0.1", primary.port)
+        replica_client = replica.client()
+        deadline = time.monotonic() + 10
+        while replica_client.info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "the replica never synced"
+            time.sleep(0.05)
+        # When a fenced write reaches the replica (script cached there, and not)
+        for cached in (False, True):
+            if cached:
+                replica_client.script_load(scripts.fenced_write.source)
+            with pytest.raises(LeaseUnavailable) as raised:
+                fenced_set(replica_client, key_prefix, "r", 4, "w")
+            assert "read only replica" in str(raised.value) and key_prefix in str(raised.value)
+        # And reads still work there; nothing was written
+        assert fenced_get(replica_client, key_prefix, "r") == (b"v", 3)
+    finally:
+        for server in (replica, primary):
+            server.stop()
+            server.cleanup()
+
+
+def test_redis_a_corrupt_fence_is_reported_by_the_script_and_the_read(redis_client, key_prefix):
+    # A fence hash whose token field is not a number: the script's CORRUPT answer names the key
+    key = Keys(key_prefix).fence("r")
+    redis_client.hset(key, mapping={"token": "x", "value": "v"})
+    for call in (lambda: fenced_set(redis_client, key_prefix, "r", 1, "v"),
+                 lambda: fenced_get(redis_client, key_prefix, "r")):
+        with pytest.raises(CorruptRecord) as raised:
+            call()
+        assert key in str(raised.value)
+
+
 # -- the concurrent stale/current writers check ---------------------------------
 
 

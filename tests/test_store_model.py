@@ -242,10 +242,13 @@ class LeaseModel(RuleBasedStateMachine):
         m = self.tasks[task_id]
 
         # Given the model's record, What may finish answer?
+        reasserted = m.state is None
         if m.state is None:
-            allowed = Code.MISSING
+            # A holder whose record is gone re-creates it under its token (finish.lua).
+            allowed = Code.OK if token > 0 else Code.MISSING
         elif m.state in TERMINAL_STATES:
-            allowed = Code.OK if (token == m.token and outcome == m.state) else Code.FINISHED
+            same = token == m.token and outcome == m.state and owner == m.owner
+            allowed = Code.OK if same else Code.FINISHED
         elif m.state != "active" or token != m.token or owner != m.owner:
             allowed = Code.LOST
         else:
@@ -262,6 +265,9 @@ class LeaseModel(RuleBasedStateMachine):
         expect(code, {allowed}, f"finish {task_id} by {owner} token {token} {outcome}")
 
         if code is Code.OK:
+            if reasserted:
+                self._issue(task_id, token)
+                m.token, m.owner = token, owner
             self._accept(task_id, outcome, token)
             if outcome == "retry":
                 m.state, m.owner, m.attempt = "recovering", "", m.attempt + 1

@@ -345,10 +345,77 @@ def test_a_forced_revoke_with_token_0_finishes_any_unfinished_record(store):
         store.finish("other", "operator", 0, "succeeded")
 
 
-def test_finish_of_a_missing_record_is_refused(store):
+def test_finish_of_a_missing_record_reasserts_the_holders_token(store, redis_client):
+    # Given A holds token T of t1, and the store then loses everything (restarted empty)
+    acq = acquire(store, "t1", A)
+    redis_client.delete(store.keys.record("t1"), store.keys.shard_for("t1").sequence)
+
+    # When A finishes: the record is re-created, terminal, under A's token
+    store.finish("t1", A, acq.token, "succeeded")
+    record = store.get("t1")
+    assert (record.state, record.token, record.owner) == ("succeeded", acq.token, A)
+    assert record.deadline == 0 and 0 < redis_client.pttl(store.keys.record("t1")) <= store.retention * 1000
+    # And the same finish again answers OK (idempotent), another owner's is refused
+    store.finish("t1", A, acq.token, "succeeded")
+    with pytest.raises(LeaseLost):
+        store.finish("t1", B, acq.token, "succeeded")
+    # And no later acquire, of this task or another, is handed T or below again
+    assert int(redis_client.get(store.keys.shard_for("t1").sequence)) >= acq.token
+    assert acquire(store, "t2", B).token > acq.token
+    # And a retry hand-over re-asserts as a record waiting for the next attempt
+    retried = acquire(store, "t3", A)
+    redis_client.delete(store.keys.record("t3"))
+    store.finish("t3", A, retried.token, "retry", next_attempt=1)
+    assert store.get("t3").state == "recovering"
+    assert acquire(store, "t3", B, attempt=0).code is Code.STALE
+    assert acquire(store, "t3", B, attempt=1).token > retried.token
+    # But a forced revoke (token 0) re-creates nothing
     with pytest.raises(LeaseLost) as missing:
-        store.finish("nope", A, 1, "succeeded")
+        store.finish("nope", "operator", 0, "revoked")
     assert missing.value.reason == "missing"
+    assert store.get("nope") is None
+
+
+def test_the_same_finish_sent_again_answers_ok_and_changes_nothing(store, redis_client):
+    # Given A's finish was applied but its reply lost (A cannot tell)
+    acq = acquire(store, "t1", A)
+    store.finish("t1", A, acq.token, "succeeded", write=("res:t1", b"first", 0))
+    before = store.stats()
+    # When A sends it again, even with another result value
+    store.finish("t1", A, acq.token, "succeeded", write=("res:t1", b"second", 0))
+    # Then it answers OK and writes nothing: the first copy's result stands
+    assert redis_client.get("res:t1") == b"first"
+    assert store.stats() == before
+    # And a different outcome, or the same outcome by another owner, is still refused
+    for owner, outcome in ((A, "failed"), (B, "succeeded")):
+        with pytest.raises(LeaseLost):
+            store.finish("t1", owner, acq.token, outcome)
+    # And a retry hand-over sent again answers OK too
+    r = acquire(store, "t2", A)
+    store.finish("t2", A, r.token, "retry", next_attempt=1)
+    store.finish("t2", A, r.token, "retry", next_attempt=1)
+    assert store.get("t2").state == "recovering"
+
+
+def test_a_finish_reaching_the_server_after_its_not_after_changes_nothing(store, redis_client):
+    # Given A holds t1, and a finish whose not-after moment has passed by the server clock
+    acq = acquire(store, "t1", A)
+    past = store.server_time_ms() - 1
+    # When it reaches the server (a command buffered by a stalled server, run on resume)
+    for outcome in ("succeeded", "failed", "retry"):
+        with pytest.raises(LeaseLost) as late:
+            store.finish("t1", A, acq.token, outcome, next_attempt=1, not_after=past)
+        assert late.value.reason.startswith("late")
+    # Then the lease is untouched: still A's, active, renewable; no result written
+    assert store.get("t1").state == "active" and store.renew_many(A, {"t1": acq.token}) == {}
+    redis_client.delete(store.keys.record("t2"))
+    with pytest.raises(LeaseLost):
+        store.finish("t2", A, 99, "succeeded", write=("res:t2", b"x", 0), not_after=past)
+    assert store.get("t2") is None and redis_client.get("res:t2") is None
+    # And one within its not-after is accepted; sent again later, it still answers OK
+    store.finish("t1", A, acq.token, "succeeded", not_after=store.server_time_ms() + 5000)
+    store.finish("t1", A, acq.token, "succeeded", not_after=past)
+    assert store.stats()["late_finishes"] == 4
 
 
 def test_finish_of_an_expired_lease_nobody_took_is_still_accepted(store):
