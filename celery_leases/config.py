@@ -203,7 +203,7 @@ class LeaseConfig:
     def for_task(self, task: Any) -> "LeaseConfig":
         """This config with the task's ``lease_*`` overrides applied (validated)."""
         errors, config = task_option_errors(task, self)
-        if errors:
+        if errors or config is None:  # with a config given, none comes back only with errors
             raise _error(errors)
         return config
 

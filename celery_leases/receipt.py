@@ -2,9 +2,9 @@
 
 The worker (worker.py) decides *when*; this module holds *what*: which
 messages are malformed (and in which field), how many deliveries of one task
-id a worker admits per minute, how long a re-queued copy waits, and which
-clock its ETA comes from. Errors at receipt fall in two classes
-(docs/celery.md, "Errors at receipt"):
+id a worker admits per minute, and how long a re-queued copy waits (its ETA
+comes from the store's clock: clock.py). Errors at receipt fall in two
+classes (docs/celery.md, "Errors at receipt"):
 
 - transient (``LeaseUnavailable``: unreachable, READONLY, timeouts): the
   delivery is tried again when due, then re-queued with a growing delay;
@@ -14,14 +14,14 @@ clock its ETA comes from. Errors at receipt fall in two classes
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from time import monotonic
 from typing import Any, Callable
 
 from .exceptions import LeaseError
 
 __all__ = ["MalformedMessage", "Throttled", "validate_message", "DeliveryWindow",
-           "requeue_delay", "ServerClock", "REQUEUES_HEADER", "usable_id", "describe", "eta_after"]
+           "requeue_delay", "REQUEUES_HEADER", "usable_id", "describe", "eta_after"]
 
 #: Header of a copy re-queued because the lease store was unreachable: how many
 #: times this delivery was re-queued so far (the backoff exponent).
@@ -164,56 +164,6 @@ class DeliveryWindow:
 def requeue_delay(base: float, cap: float, requeues: int) -> float:
     """``base`` * 2^requeues, at most ``cap`` (and never below ``base``)."""
     return min(base * 2.0 ** min(requeues, 64), max(cap, base))
-
-
-class ServerClock:
-    """The lease store's clock, read when the store answers and carried forward by ``monotonic``.
-
-    A re-queued copy's ETA must not come from the worker's wall clock (a
-    worker an hour fast would delay its copies by an hour). The store's
-    server clock is the reference every deadline already uses; between
-    readings the worker's monotonic clock measures the time passed, which
-    neither a wrong wall clock nor an NTP step changes.
-    """
-
-    def __init__(self, read_ms: Callable[[], int], clock: Callable[[], float] = monotonic) -> None:
-        self.read_ms, self.clock = read_ms, clock
-        self._at: tuple[int, float] | None = None
-
-    def sample(self) -> int:
-        """Read the server clock now (raises the store's LeaseError when it does not answer)."""
-        ms = int(self.read_ms())
-        self._at = (ms, self.clock())
-        return ms
-
-    def estimate_ms(self) -> int | None:
-        """The server clock now, from the last reading; None before the first."""
-        if self._at is None:
-            return None
-        ms, at = self._at
-        return ms + int((self.clock() - at) * 1000)
-
-    def now(self, read: bool) -> tuple[datetime, str]:
-        """The server's now as an aware UTC datetime, and where it came from.
-
-        ``read``: the store is expected to answer, so read it; otherwise (or
-        when the read fails) carry the last reading forward.
-        """
-        if read:
-            try:
-                return _utc(self.sample()), "server clock"
-            except LeaseError:
-                pass
-        estimate = self.estimate_ms()
-        if estimate is not None:
-            return _utc(estimate), "server clock (last reading + monotonic time)"
-        # Never read (the store was unreachable since this process started): the
-        # only clock left. Said in the log line so a skewed worker can be found.
-        return datetime.now(timezone.utc), "worker wall clock (the store's clock was never read)"
-
-
-def _utc(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000.0, timezone.utc)
 
 
 def eta_after(now: datetime, seconds: float) -> str:

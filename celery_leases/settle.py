@@ -15,14 +15,10 @@ callbacks) no copy can apply the outcome behind its back; the lease, no
 longer renewed, expires and recovery re-runs the task. docs/celery.md
 ("Outcomes when the store stalls") explains the choice.
 
-The not-after moment needs the server's clock in this process. ``ServerClock``
-reads it with one TIME call and then follows it on the monotonic clock (one
-TIME per process per ``REFRESH`` seconds, not per task), with error bounds:
-the call's round trip, a drift of ``DRIFT`` (1000 ppm, well above what
-NTP-disciplined clocks allow) and ``MARGIN`` (servers of one store that
-disagree on the time). A server whose clock is stepped backwards by more than
-that while a finish is pending defeats the bound (the deadlines of every
-lease rest on the same clock).
+The not-after moment needs the server's clock in this process (clock.py). A
+server whose clock is stepped backwards by more than its error bounds while a
+finish is pending defeats the bound (the deadlines of every lease rest on the
+same clock).
 
 Knows nothing of Celery.
 """
@@ -31,80 +27,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
+from .clock import ServerClock, server_clock
 from .exceptions import LeaseLost, LeaseUnavailable
 
 if TYPE_CHECKING:
     from .store import LeaseStore
 
-__all__ = ["ServerClock", "server_clock", "settle_finish"]
+__all__ = ["settle_finish"]
 
 T = TypeVar("T")
 
 logger = logging.getLogger("celery_leases.task")
 
-#: Seconds a TIME reading is used before it is read again (when the store answers).
-REFRESH = 60.0
-#: Relative rate error allowed between this host's monotonic clock and the server's clock.
-DRIFT = 1e-3
-#: Seconds added before giving up: the servers a finish may reach (a cluster's masters,
-#: a Sentinel's new master after a failover) may disagree on the time by this much.
-MARGIN = 0.25
 #: First pause between copies of a finish, doubled after each, up to MAX_DELAY.
 FIRST_DELAY, MAX_DELAY = 0.25, 2.0
-
-
-class ServerClock:
-    """Bounds on the store server's clock (ms), from one TIME reading and ``clock``."""
-
-    def __init__(self, store: "LeaseStore", clock: Callable[[], float] = time.monotonic) -> None:
-        self.store, self.clock = store, clock
-        #: (server ms, local time before the call, local time after it), or None.
-        self.reading: tuple[int, float, float] | None = None
-
-    def read(self) -> None:
-        """One TIME call; raises LeaseUnavailable when the store does not answer."""
-        t0 = self.clock()
-        server = self.store.server_time_ms()
-        self.reading = (server, t0, self.clock())
-
-    def fresh(self) -> bool:
-        """Read again if the reading is missing or old; False if there is still none."""
-        if self.reading is None or self.clock() - self.reading[2] > REFRESH:
-            try:
-                self.read()
-            except LeaseUnavailable:
-                pass  # an older reading still bounds the clock, with more drift
-        return self.reading is not None
-
-    def upper_ms(self, t: float) -> int:
-        """The latest the server's clock can read at local time ``t``."""
-        server, t0, _ = self._reading()
-        elapsed = max(0.0, t - t0)
-        return server + 1 + math.ceil(1000 * elapsed * (1 + DRIFT))
-
-    def past(self, server_ms: int) -> float:
-        """The local time from which the server's clock surely reads more than ``server_ms``."""
-        server, _, t1 = self._reading()
-        return t1 + MARGIN + max(0, server_ms + 1 - server) / (1000 * (1 - DRIFT))
-
-    def _reading(self) -> tuple[int, float, float]:
-        if self.reading is None:
-            raise RuntimeError("ServerClock: no reading yet (call fresh() first)")
-        return self.reading
-
-
-_clocks: "weakref.WeakKeyDictionary[Any, ServerClock]" = weakref.WeakKeyDictionary()
-
-
-def server_clock(store: "LeaseStore") -> ServerClock:
-    """This store's ServerClock (the store objects are per process already: runtime.py)."""
-    found = _clocks.get(store)
-    if found is None:
-        found = _clocks[store] = ServerClock(store)
-    return found
 
 
 def settle_finish(store: "LeaseStore", send: Callable[[int], T], *, bound: float, task_id: str,

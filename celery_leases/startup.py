@@ -135,7 +135,8 @@ def wait_for_store(app: Any, probe: Callable[[], T], *, sleep: Callable[[float],
         retry = conf.get("broker_connection_retry", True)
     max_retries = conf.get("broker_connection_max_retries", 100)
     if check_shutdown is None:
-        from celery.worker.state import maybe_shutdown as check_shutdown
+        from celery.worker.state import maybe_shutdown
+        check_shutdown = maybe_shutdown
     url = redact(client_config(app).redis_url)
     intervals = _intervals()
     attempt = 0

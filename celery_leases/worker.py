@@ -30,11 +30,11 @@ from .codes import Code
 from .config import LeaseConfig, get_config
 from .exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
-from .receipt import (REQUEUES_HEADER, DeliveryWindow, ServerClock, Throttled, describe, eta_after,
+from .receipt import (REQUEUES_HEADER, DeliveryWindow, Throttled, describe, eta_after,
                       requeue_delay, usable_id, validate_message)
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
-from .settle import server_clock
+from .clock import server_clock
 from .signals import delivery_refused, lease_acquired, lease_lost
 from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured, wait_for_store
 from .store import Acquisition
@@ -80,7 +80,7 @@ class LeaseWorker:
         #: Deliveries admitted per task id per minute (in memory: holds when Redis is down).
         self.window = DeliveryWindow(config.deliveries_per_minute)
         #: The store's clock, for the ETA of re-queued copies.
-        self.clock = ServerClock(self.store.server_time_ms)
+        self.clock = server_clock(self.store)
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
                                    sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
@@ -93,9 +93,8 @@ class LeaseWorker:
     def start(self) -> None:
         # Wait for the lease store like Celery waits for its broker at start;
         # past the retries this raises LeaseUnavailable naming leases_redis_url.
-        wait_for_store(self.app, self.clock.sample)  # also the first reading of its clock
-        # The reading of the server's clock a finish's not-after needs (settle.py).
-        server_clock(self.store).read()
+        # The first reading of its clock, too (re-queue ETAs, a finish's not-after: clock.py).
+        wait_for_store(self.app, self.clock.read)
         # Scripts are read once, here: the pool processes inherit them, and a
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()

@@ -27,6 +27,6 @@ def test_no_test_of_the_sample_fails_only_when_leased():
     assert proc.returncode == 0, tail
     # Both runs really ran tests of each kind (a sample that selects nothing proves nothing).
     for mode in ("plain", "leased"):
-        line = next(l for l in out.splitlines() if f" {mode}: " in l and l.startswith("celery "))
+        line = next(x for x in out.splitlines() if f" {mode}: " in x and x.startswith("celery "))
         passed = int(line.split(f"{mode}: ")[1].split(" passed")[0])
         assert passed >= 20, line

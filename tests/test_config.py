@@ -171,7 +171,7 @@ def test_invalid_task_option_fails_at_definition_naming_task_option_and_value(op
         def broken():
             return 1
 
-        broken.name  # evaluates the task (app.task is lazy until the app is finalized)
+        _ = broken.name  # evaluates the task (app.task is lazy until the app is finalized)
     # the prefix is not repeated ("task x: lease_task x: lease_ttl")
     assert str(err.value).count("task cfg.broken") == 1, err.value
 
@@ -190,7 +190,7 @@ def test_task_options_are_checked_without_the_app_settings_when_those_are_broken
         @app.task(base=LeasedTask, lease_ttl=0, shared=False)
         def broken():
             return 1
-        broken.name
+        _ = broken.name
 
 
 class DjangoSettings:

@@ -18,7 +18,8 @@ import redis
 from celery_leases import LeaseStore
 from celery_leases.exceptions import LeaseLost, LeaseUnavailable
 from celery_leases.processes import RedisServer
-from celery_leases.settle import MARGIN, ServerClock, settle_finish
+from celery_leases.clock import MARGIN, ServerClock
+from celery_leases.settle import settle_finish
 
 
 @pytest.fixture

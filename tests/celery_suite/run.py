@@ -80,8 +80,8 @@ def run(mode: str, tree: Path, redis_port: int, targets: list[str], keyword: str
                    p for p in (str(ROOT), str(tree), env.get("PYTHONPATH", "")) if p))
     env.pop("LEASES_TEST_REDIS_URL", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "-p", "no:celery_leases", "-p", "celery.contrib.pytest", "-o", "addopts=", "--timeout=300", f"--junitxml={out}",
-           "--rootdir", str(tree)]
+           "-p", "no:celery_leases", "-p", "celery.contrib.pytest", "-o", "addopts=",
+           "--timeout=300", f"--junitxml={out}", "--rootdir", str(tree)]
     if mode == "leased":
         cmd += ["-p", "tests.celery_suite.leased"]
     if keyword:
