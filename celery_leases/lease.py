@@ -5,7 +5,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from .exceptions import LeaseLost, LeaseUnavailable
+from .exceptions import CorruptRecord, LeaseLost, LeaseUnavailable
 
 if TYPE_CHECKING:
     from .store import LeaseStore
@@ -62,6 +62,11 @@ class Lease:
             try:
                 self.store.check(self.task_id, self.owner, self.token)
             except LeaseLost:
+                self._lost = True
+            except CorruptRecord as exc:
+                # Ownership cannot be confirmed from a corrupt record: fail closed (check() raises it).
+                logger.error("task %s: its lease record is corrupt, the lease counts as lost: %s",
+                             self.task_id, exc)
                 self._lost = True
             except LeaseUnavailable as exc:
                 logger.warning("task %s: cannot reach the lease store to check its lease: %s",

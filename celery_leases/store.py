@@ -722,7 +722,8 @@ class LeaseStore:
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
 
         def delete() -> list:
-            pipe = self.client.pipeline(transaction=True)
+            # One slot (the task's shard tag); redis-py's cluster pipeline has no MULTI.
+            pipe = self.client.pipeline(transaction=not hasattr(self.client, "get_node_from_key"))
             pipe.delete(key)
             pipe.delete(self.keys.message(task_id))
             pipe.zrem(shard.deadlines, task_id)

@@ -391,3 +391,28 @@ def test_a_lease_not_yet_replicated_when_its_master_dies_is_lost_as_documented(c
     assert (record.state, record.token, record.owner) == ("succeeded", lost_token, "w1")
     assert store.acquire(lost, "w2").code is Code.FINISHED
     assert describe(client).startswith("redis+cluster://")
+
+
+def test_parking_and_a_corrupt_claim_on_a_sharded_store_across_three_masters(client):
+    # Given a sharded store on a cluster, expired leases on every shard, one record corrupt
+    store = LeaseStore(client, spread_prefix(client), shards=SHARDS, ttl=30)
+    ids = task_ids_on_every_shard(store.keys, 1)
+    for task_id in ids:
+        store.acquire(task_id, "w", body=b"b", envelope={"headers": {}})
+        store.expire_now(task_id)
+    bad = ids[0]
+    client.hset(store.keys.record(bad), "state", "bogus")
+    # When a recovery pass runs, Then every other shard's lease is recovered, the corrupt one handed
+    # over for parking, and parking it (keys of one slot: the prefix's tag) works on the cluster
+    parked: list = []
+    report = store.recover(publish=lambda claim: None,
+                           on_corrupt=lambda claim: (parked.append(claim.task_id),
+                                                     store.park(claim.task_id, "corrupt", body=claim.body,
+                                                                key=claim.error.key, field=claim.error.field)))
+    assert (report.recovered, report.corrupt) == (len(ids) - 1, 1) and parked == [bad]
+    assert len({key_slot(k.encode()) for k in (store.keys.parked, store.keys.parked_meta,
+                                              store.keys.parked_body)}) == 1
+    (entry,) = store.parked()
+    assert (entry.task_id, entry.field) == (bad, "state")
+    assert store.unpark(bad).body == b"b" and store.parked() == []
+    assert store.reset_record(bad) and store.get(bad) is None

@@ -94,6 +94,12 @@ def test_a_live_worker_with_one_corrupt_record_keeps_renewing_the_others(
     # And the four finish normally, each run once
     assert [r.get(timeout=20) for r in good] == ["v1", "v2", "v3", "v4"]
     assert all(len(starts(history, r.id)) == 1 for r in good)
+    # And a corruption the heartbeat reads (the state, the key's type) made that one lease
+    # lost, for its task alone; a corrupt generation is not the heartbeat's concern
+    (end,) = wait_for(lambda: [h for h in history() if h[0] == "end" and h[1] == bad.id], 10,
+                      what="the corrupt task's body to end")
+    assert end[3]["lost"] == ("False" if kind == "generation" else "True")
+    assert all(h[3]["lost"] == "False" for h in history() if h[0] == "end" and h[1] != bad.id)
 
 
 @pytest.mark.parametrize("kind", ["type", "counter"])

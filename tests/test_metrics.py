@@ -48,6 +48,7 @@ def test_each_signal_moves_its_counter(client_app, registry, metrics):
     celery_leases.lease_dead.send(sender=client_app, task_id="t", recoveries=3)
     celery_leases.stale_outcome_rejected.send(sender=task, task_id="t", token=1,
                                               outcome="succeeded", reason="lost")
+    celery_leases.delivery_parked.send(sender=task, task_id="t", reason="corrupt", key="k", field="token")
 
     # Then each counter moved by what the signal reported
     assert value(registry, "acquired_total", taken_over="false") == 1
@@ -58,6 +59,7 @@ def test_each_signal_moves_its_counter(client_app, registry, metrics):
     assert value(registry, "dead_total") == 1
     assert value(registry, "refused_total", outcome="succeeded") == 1
     assert value(registry, "time_to_recovery_seconds_count") == 1
+    assert value(registry, "parked_total", field="token") == 1
     assert value(registry, "time_to_recovery_seconds_sum") == 7.5
     assert value(registry, "time_to_recovery_seconds_bucket", le="10.0") == 1
     assert value(registry, "time_to_recovery_seconds_bucket", le="5.0") == 0
@@ -110,6 +112,22 @@ def test_a_real_dead_task_is_counted(client_app, registry, metrics):
     # When recovery runs, Then the task is dead and counted
     assert store.recover().dead == 1
     assert value(registry, "dead_total") == 1 and value(registry, "recovered_total") == 0
+
+
+def test_a_real_corrupt_record_found_by_recovery_is_parked_and_counted(client_app, registry, metrics):
+    # Given an expired lease whose record was corrupted (a generation that is not a number)
+    store = celery_leases.store(client_app)
+    acq = store.acquire("t3", "w", name=f"{TASKS}.add",
+                        body=b"[[1, 2], {}, {}]", envelope={"headers": {}, "properties": {}})
+    store.release("w", {"t3": acq.token})
+    store.client.hset(store.keys.record("t3"), "generation", "x")
+    # When recovery runs (the app's store parks through the Celery side)
+    report = store.recover()
+    # Then it is parked, counted by the field that was corrupt, and nothing is recovered
+    assert (report.corrupt, report.recovered) == (1, 0)
+    assert [p.task_id for p in store.parked()] == ["t3"]
+    assert value(registry, "parked_total", field="generation") == 1
+    assert value(registry, "recovered_total") == 0
 
 
 def test_a_heartbeat_tick_counts_the_leases_it_renewed(client_app, registry, metrics):
