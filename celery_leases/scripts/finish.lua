@@ -14,7 +14,7 @@
     KEYS[4] message hash of the task
     ARGV[1] task id
     ARGV[2] owner (worker instance id)
-    ARGV[3] token of the caller (0 with outcome revoked: forced revoke)
+    ARGV[3] token of the caller
     ARGV[4] outcome: succeeded | failed | revoked | retry
     ARGV[5] retention in ms
     ARGV[6] next attempt (retry only)
@@ -43,8 +43,7 @@ if rec.state == 'succeeded' or rec.state == 'failed' or rec.state == 'revoked' o
   if current ~= token then redis.call('HINCRBY', stats, 'refused', 1) end
   return {4, current, rec.state}
 end
-local forced = outcome == 'revoked' and token == 0
-if not forced and (rec.state ~= 'active' or current ~= token or rec.owner ~= owner) then
+if rec.state ~= 'active' or current ~= token or rec.owner ~= owner then
   redis.call('HINCRBY', stats, 'refused', 1)
   return {7, current, rec.state}
 end
