@@ -24,6 +24,7 @@ from celery import bootsteps
 from celery.exceptions import TaskRevokedError
 from celery.signals import task_received, worker_shutdown
 from celery.worker.state import active_requests, reserved_requests
+from celery.worker.state import revoked as revoked_tasks
 
 from .acquirer import Acquirer, Job
 from .checks import run_checks
@@ -31,6 +32,7 @@ from .codes import Code
 from .config import LeaseConfig, get_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
+from .revokes import HeldRevokes, gate_backend, install_control_hook
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .signals import delivery_refused, lease_acquired, lease_lost
@@ -77,6 +79,8 @@ class LeaseWorker:
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
                                    sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
+        #: Revokes the store could not take yet (unreachable), retried until it answers.
+        self.held_revokes = HeldRevokes(self.store.revoke, config.unavailable_retry_delay)
         self._stop = threading.Event()
         self._recovery_thread: threading.Thread | None = None
         self.recovery_passes = 0
@@ -93,6 +97,7 @@ class LeaseWorker:
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()
         run_checks(self.app, self.config, self.store)  # warnings only: Redis and broker settings
+        self.gate_revokes()
         self.heartbeat.start()
         if self.config.worker_recovery:
             self._recovery_thread = threading.Thread(
@@ -101,9 +106,22 @@ class LeaseWorker:
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)
 
+    def gate_revokes(self, backend: Any = None) -> None:
+        """Every revoke path of Celery reaches the lease (revokes.py): the backends this
+        process stores REVOKED with ask the store first, and so does the revoke command."""
+        if backend is not None:
+            gate_backend(backend, self.revoke_stored)
+            return
+        gate_backend(self.app.backend, self.revoke_stored)
+        for task in list(self.app.tasks.values()):
+            if getattr(task, "leased", False) and getattr(task, "_backend", None) is not None:
+                gate_backend(task._backend, self.revoke_stored)
+        install_control_hook()
+
     def stop(self, unstarted: bool) -> None:
         """Release what is still held and stop the threads."""
         self._stop.set()
+        self.held_revokes.stop()
         self._drop_pending()
         if self.acquirer is not None:
             self.acquirer.stop()
@@ -245,6 +263,10 @@ class LeaseWorker:
                   Code.DEAD: f"the task used up its {config.max_recoveries} recoveries"}[acq.code]
         logger.info("task %s[%s]: delivery not run: %s", task.name, request.id, reason)
         request.request_dict["lease_skip"] = reason
+        if acq.code is Code.FINISHED and acq.state == "revoked":
+            # Celery discards it as revoked when it is due (REVOKED stored, the message
+            # acked), even on a worker that never heard of the revoke.
+            revoked_tasks.add(request.id)
         delivery_refused.send(sender=task, task_id=request.id, reason=reason, code=acq.code,
                               token=acq.token)
         if acq.code is Code.DEAD:
@@ -332,20 +354,62 @@ class LeaseWorker:
                          ", ".join(leases), exc)
             return 0
 
-    def revoke_unowned(self, task_id: str, expired: bool) -> bool:
-        """A revoked or expired delivery this worker does not own; True to write REVOKED."""
+    # -- revokes (revokes.py: which Celery path calls which) -------------------
+
+    def revoke(self, task_id: str, *, expired: bool = False, owner: str = "",
+               token: int | None = None, name: str = "") -> bool:
+        """Put a Celery revoke (or, ``expired``, an expiry) to the lease; True when Celery
+        may store REVOKED.
+
+        ``owner``/``token``: this worker's own lease of the delivery being
+        discarded or terminated. False when the task finished (its stored
+        result stays) or another owner runs it (its outcome stands). The store
+        unreachable: True, as Celery revokes regardless, and the revoke is held
+        and retried until the store answers.
+        """
+        if token is not None:
+            self.heartbeat.forget(task_id, token)
+        call = dict(expired=expired, owner=owner if token is not None else "",
+                    token=token or 0, name=name)
         try:
-            record = self.store.get(task_id)
-            if record is None:
-                return True
-            if expired and record.state == "active":
-                # Another owner started it before it expired: its outcome stands.
-                return False
-            self.store.finish(task_id, "", 0, "revoked")
+            code = self.store.revoke(task_id, **call)
+        except LeaseUnavailable as exc:
+            self.held_revokes.add(task_id, exc, **call)
             return True
         except LeaseError as exc:
-            logger.info("task %s: revoke not applied to its lease: %s", task_id, exc)
-            return record is None or record.state != "active"
+            logger.error("task %s: revoke not applied to its lease: %s; Celery revokes it as usual",
+                         task_id, exc)
+            return True
+        if code is Code.OK:
+            return True
+        if code is Code.FINISHED:
+            logger.info("task %s: revoke of a task that already finished: its stored result stays",
+                        task_id)
+        elif expired:
+            logger.info("task %s: expired copy not run; another owner started the task in time "
+                        "and its outcome stands", task_id)
+        else:
+            logger.info("task %s: revoked while another owner runs it: that run's outcome stands, "
+                        "and the task will not run again", task_id)
+        return False
+
+    def revoke_stored(self, task_id: str) -> bool:
+        """Celery's revoke command is about to store REVOKED for a task not running here
+        (prefetched, ETA-held, or not held by this worker); True to let it."""
+        with self.heartbeat.lock:
+            held = self.heartbeat.held.get(task_id)
+        request = held.request if held is not None else None
+        if held is not None and not held.lost and request is not None \
+                and request not in active_requests:
+            return self.revoke(task_id, owner=self.owner, token=held.token, name=request.name)
+        return self.revoke(task_id)
+
+    def revoke_running(self, task_id: str) -> None:
+        """A plain revoke of ``task_id`` (Celery's revoke command, before it runs): a leased
+        request running here is not stopped, but the lease must remember the revoke."""
+        request = next((r for r in list(active_requests) if r.id == task_id), None)
+        if request is not None and getattr(request.task, "leased", False):
+            self.revoke(task_id, name=request.name)
 
     def _on_missing(self, task_id: str, held: Held) -> bool:
         """A held lease's record is gone: put it back under the same token if nobody else has one.
