@@ -26,6 +26,14 @@ def sleeper(app, value, seconds, **options):
     return app.signature(f"{TASKS}.sleep_then_echo", (value, seconds)).apply_async(link=callback, **options)
 
 
+def started(start_worker, app, name, **kwargs):
+    """A worker that takes remote-control commands: a broadcast sent before its pidbox
+    queue is bound (just after "ready") never reaches it."""
+    worker = start_worker(name, **kwargs)
+    wait_for(lambda: app.control.ping(timeout=0.5), 15, what=f"worker {name} to answer a ping")
+    return worker
+
+
 def callbacks(history, value) -> list:
     return [h for h in history() if h[0] == "callback" and h[3].get("value") == value]
 
@@ -57,7 +65,7 @@ def assert_revoked_for_good(app, store, history, result, value, runs: int) -> No
 @pytest.mark.parametrize("pool", POOLS)
 def test_revoke_of_a_queued_task_holds_on_a_fresh_worker(pool, client_app, start_worker, history):
     # Given a busy worker: one task running, one prefetched, the target still in the broker
-    a = start_worker("a", pool=pool, concurrency=1)
+    a = started(start_worker, client_app, "a", pool=pool, concurrency=1)
     store = celery_leases.store(client_app)
     first = sleeper(client_app, "first", 3.0)
     wait_for(lambda: starts(history, first.id), 10, what="the first task to start")
@@ -83,7 +91,7 @@ def test_revoke_of_a_queued_task_holds_on_a_fresh_worker(pool, client_app, start
 @pytest.mark.parametrize("crash", [False, True], ids=["worker-lives", "worker-killed"])
 def test_revoke_of_a_prefetched_task(pool, crash, client_app, start_worker, history):
     # Given a worker running one task and holding the target prefetched (leased, not started)
-    a = start_worker("a", pool=pool, concurrency=1)
+    a = started(start_worker, client_app, "a", pool=pool, concurrency=1)
     store = celery_leases.store(client_app)
     first = sleeper(client_app, "first", 6.0)
     wait_for(lambda: starts(history, first.id), 10, what="the first task to start")
@@ -108,7 +116,7 @@ def test_revoke_of_a_prefetched_task(pool, crash, client_app, start_worker, hist
 @pytest.mark.parametrize("pool", POOLS)
 def test_revoke_of_an_eta_task(pool, client_app, start_worker, history):
     # Given a worker holding the target until its ETA (leased at receipt)
-    a = start_worker("a", pool=pool, concurrency=1)
+    a = started(start_worker, client_app, "a", pool=pool, concurrency=1)
     store = celery_leases.store(client_app)
     eta = time.monotonic() + 8
     target = sleeper(client_app, "eta", 0.0, countdown=8)
@@ -127,7 +135,7 @@ def test_revoke_of_an_eta_task(pool, client_app, start_worker, history):
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_plain_revoke_lets_the_running_task_finish(pool, client_app, start_worker, history):
     # Given a running task
-    start_worker("a", pool=pool, concurrency=1)
+    started(start_worker, client_app, "a", pool=pool, concurrency=1)
     store = celery_leases.store(client_app)
     target = sleeper(client_app, "running", 2.0)
     wait_for(lambda: starts(history, target.id), 10, what="the target to start")
@@ -145,7 +153,7 @@ def test_a_plain_revoke_lets_the_running_task_finish(pool, client_app, start_wor
 def test_a_task_revoked_while_running_is_not_run_again_after_its_worker_died(
         pool, terminate, client_app, start_worker, history):
     # Given a running task (threads cannot terminate: a terminate is then a plain revoke)
-    a = start_worker("a", pool=pool, concurrency=1)
+    a = started(start_worker, client_app, "a", pool=pool, concurrency=1)
     store = celery_leases.store(client_app)
     target = sleeper(client_app, "running", 6.0)
     wait_for(lambda: starts(history, target.id), 10, what="the target to start")
@@ -159,7 +167,7 @@ def test_a_task_revoked_while_running_is_not_run_again_after_its_worker_died(
 
 def test_terminate_on_prefork_is_a_revoke_not_a_refused_failure(client_app, start_worker, history):
     # Given a running task on prefork
-    a = start_worker("a", pool="prefork", concurrency=1)
+    a = started(start_worker, client_app, "a", pool="prefork", concurrency=1)
     store = celery_leases.store(client_app)
     target = sleeper(client_app, "terminated", 6.0)
     wait_for(lambda: starts(history, target.id), 10, what="the target to start")
@@ -182,7 +190,7 @@ def test_terminate_on_prefork_is_a_revoke_not_a_refused_failure(client_app, star
 @pytest.mark.parametrize("pool", POOLS)
 def test_revoke_of_a_finished_task_leaves_its_result(pool, client_app, start_worker, history):
     # Given a task that failed (FAILURE stored) and one whose result is ignored (nothing stored)
-    start_worker("a", pool=pool, concurrency=1)
+    started(start_worker, client_app, "a", pool=pool, concurrency=1)
     store = celery_leases.store(client_app)
     failed = client_app.signature(f"{TASKS}.tsum", ([1, "x"],)).delay()
     with pytest.raises(TypeError):
@@ -201,3 +209,51 @@ def test_revoke_of_a_finished_task_leaves_its_result(pool, client_app, start_wor
     assert store.get(failed.id).state == "failed"
     assert store.get(ignored.id).state == "succeeded"
     assert len(starts(history, failed.id)) == 1
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_revoke_while_the_lease_store_is_unreachable_reaches_the_lease_later(
+        pool, celery_env, start_worker, history, tmp_path):
+    import os
+    import signal
+
+    from tests.apps.leased_app import create_app
+    from tests.redis_server import RedisServer
+
+    # Given a lease store on its own Redis, and a worker holding a task for its ETA
+    lease_redis = RedisServer(dir=tmp_path / "leases").start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url,
+               "LEASES_TEST_HISTORY_URL": celery_env["LEASES_TEST_BROKER"],
+               "LEASES_TEST_UNAVAILABLE_DELAY": "1"}
+        app = create_app(env)
+        store = celery_leases.store(app)
+        a = started(start_worker, app, "a", pool=pool, concurrency=1,
+                    **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        eta = sleeper(app, "eta", 0.0, countdown=25)
+        wait_for(lambda: store.get(eta.id), 10, what="the ETA task to be leased")
+        early = f"revoked-before-delivery-{os.urandom(4).hex()}"
+        app.control.revoke(early)
+        wait_for(lambda: store.get(early), 5, what="the early revoke to reach the lease")
+        # When the lease store stops answering (SIGSTOP) while the ETA task is revoked and a
+        # message whose id was revoked before arrives
+        os.kill(lease_redis.process.pid, signal.SIGSTOP)
+        try:
+            app.control.revoke(eta.id)
+            late = app.signature(f"{TASKS}.sleep_then_echo", ("late", 0.0)).apply_async(task_id=early)
+            # Then Celery revokes both as usual: REVOKED stored, nothing run, the worker alive
+            wait_for(lambda: status(app, eta) == "REVOKED" and status(app, late) == "REVOKED", 30,
+                     what="Celery to store REVOKED for both")
+            assert a.proc.poll() is None
+        finally:
+            os.kill(lease_redis.process.pid, signal.SIGCONT)
+        # And once the store answers, the held-back revoke reaches the lease, before the ETA
+        wait_for(lambda: store.get(eta.id).state == "revoked", 10, what="the held revoke to be applied")
+        time.sleep(1.0)
+        log = a.log()
+        assert "lease store unreachable during a revoke" in log and "held-back revoke(s) applied" in log
+        assert "Traceback" not in log, log
+        assert starts(history, eta.id) == [] and starts(history, early) == []
+        app.close()
+    finally:
+        lease_redis.stop()
