@@ -233,13 +233,12 @@ def test_a_revoke_while_the_lease_store_is_unreachable_reaches_the_lease_later(
         eta = sleeper(app, "eta", 0.0, countdown=25)
         wait_for(lambda: store.get(eta.id), 10, what="the ETA task to be leased")
         early = f"revoked-before-delivery-{os.urandom(4).hex()}"
-        app.control.revoke(early)
-        wait_for(lambda: store.get(early), 5, what="the early revoke to reach the lease")
-        # When the lease store stops answering (SIGSTOP) while the ETA task is revoked and a
-        # message whose id was revoked before arrives
+        # When the lease store stops answering (SIGSTOP) while the ETA task is revoked, and
+        # a task is revoked before it is sent, then sent (found revoked at receipt)
         os.kill(lease_redis.process.pid, signal.SIGSTOP)
         try:
-            app.control.revoke(eta.id)
+            app.control.revoke([eta.id, early])
+            time.sleep(0.5)
             late = app.signature(f"{TASKS}.sleep_then_echo", ("late", 0.0)).apply_async(task_id=early)
             # Then Celery revokes both as usual: REVOKED stored, nothing run, the worker alive
             wait_for(lambda: status(app, eta) == "REVOKED" and status(app, late) == "REVOKED", 30,
@@ -249,6 +248,8 @@ def test_a_revoke_while_the_lease_store_is_unreachable_reaches_the_lease_later(
             os.kill(lease_redis.process.pid, signal.SIGCONT)
         # And once the store answers, the held-back revoke reaches the lease, before the ETA
         wait_for(lambda: store.get(eta.id).state == "revoked", 10, what="the held revoke to be applied")
+        wait_for(lambda: store.get(early), 10, what="the other held revoke to be applied")
+        assert store.get(early).state == "revoked"
         time.sleep(1.0)
         log = a.log()
         assert "lease store unreachable during a revoke" in log and "held-back revoke(s) applied" in log
