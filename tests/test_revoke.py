@@ -258,3 +258,25 @@ def test_a_revoke_while_the_lease_store_is_unreachable_reaches_the_lease_later(
         app.close()
     finally:
         lease_redis.stop()
+
+
+@pytest.mark.parametrize("terminate", [False, True], ids=["revoke", "terminate"])
+def test_solo_takes_the_revoke_of_its_running_task_after_it_finished(terminate, client_app,
+                                                                    start_worker, history):
+    # Given a running task on solo (its main process runs the body: commands wait for it)
+    a = started(start_worker, client_app, "a", pool="solo", concurrency=1)
+    store = celery_leases.store(client_app)
+    target = sleeper(client_app, "solo", 2.0)
+    wait_for(lambda: starts(history, target.id), 10, what="the target to start")
+    # When it is revoked (with terminate) while it runs
+    client_app.control.revoke(target.id, terminate=terminate)
+    # Then, as in Celery, it finishes: its outcome stands, its callback fires once
+    assert target.get(timeout=15) == "solo"
+    wait_for(lambda: callbacks(history, "solo"), 10, what="the callback")
+    time.sleep(1.0)
+    assert status(client_app, target) == "SUCCESS" and store.get(target.id).state == "succeeded"
+    # And a late copy is dropped without touching the result, nothing crashed in Celery
+    client_app.signature(f"{TASKS}.sleep_then_echo", ("solo", 0.0)).apply_async(task_id=target.id)
+    time.sleep(1.5)
+    assert status(client_app, target) == "SUCCESS" and len(starts(history, target.id)) == 1
+    assert "Traceback" not in a.log()

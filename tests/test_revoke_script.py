@@ -4,6 +4,8 @@ The Celery side (every revoke path of a real worker) is tests/test_revoke.py.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from celery_leases import Code, CorruptRecord
@@ -181,3 +183,51 @@ def test_a_corrupt_record_is_reported_and_left_as_it_was(store):
     with pytest.raises(CorruptRecord, match=store.keys.record("t1")):
         store.revoke("t1")
     assert fields(store, "t1") == {"state": b"bogus", "token": b"3"}
+
+
+# -- revokes held while the store is unreachable (celery_leases/revokes.py) ----
+
+
+def test_held_revokes_reach_the_store_once_it_answers_and_are_bounded(tmp_path, caplog):
+    import logging
+
+    import redis
+
+    from celery_leases import LeaseStore
+    from celery_leases.exceptions import LeaseUnavailable
+    from celery_leases.revokes import HeldRevokes
+    from tests.redis_server import RedisServer
+
+    # Given a store whose server is down
+    server = RedisServer(dir=tmp_path, appendonly=True).start()
+    client = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    store = LeaseStore(client, prefix="held", ttl=TTL)
+    held = HeldRevokes(store.revoke, delay=0.2, limit=2)
+    try:
+        server.stop()
+        # When three revokes cannot reach it (at most two are held)
+        caplog.set_level(logging.WARNING, logger="celery_leases.worker")
+        for task_id in ("t1", "t2", "t3"):
+            with pytest.raises(LeaseUnavailable) as info:
+                store.revoke(task_id)
+            held.add(task_id, info.value, expired=False, owner="", token=0, name="proj.add")
+        # Then the oldest is dropped, named in an error, and one warning says revokes are held
+        assert len(held) == 2 and "t1" not in held
+        assert any("t1" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+        assert sum("lease store unreachable during a revoke" in r.getMessage()
+                   for r in caplog.records) == 1
+        # And while the store stays down, nothing is lost
+        assert held.retry() == 2
+        # When the store answers again, Then the held revokes are applied (by the retry thread)
+        server.start()
+        deadline = time.monotonic() + 10
+        while len(held) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(held) == 0
+        assert store.get("t2").state == store.get("t3").state == "revoked"
+        assert store.get("t1") is None
+        assert any("held-back revoke(s) applied" in r.getMessage() for r in caplog.records)
+    finally:
+        held.stop()
+        client.close()
+        server.stop()
