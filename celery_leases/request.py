@@ -207,7 +207,7 @@ class LeasedRequest(Request):
     def on_accepted(self, pid: int, time_accepted: float) -> Any:
         # An in-process pool (threads) starts queued work without asking whether it was
         # revoked meanwhile; Celery's own check ran when it was queued.
-        if pid == os.getpid() and self.id in revoked_tasks and getattr(self.task, "leased", False):
+        if self.id in revoked_tasks and pid == os.getpid() and getattr(self.task, "leased", False):
             self._request_dict["lease_skip"] = "revoked before it started"
             self._terminate_on_ack = None
         return super().on_accepted(pid, time_accepted)

@@ -18,6 +18,7 @@ import socket
 import threading
 import uuid
 from datetime import datetime, timedelta, timezone
+from functools import cached_property
 from typing import Any
 
 from celery import bootsteps
@@ -79,8 +80,6 @@ class LeaseWorker:
         self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self._on_lost,
                                    sender=app, on_missing=self._on_missing)
         self._task_configs: dict[str, LeaseConfig] = {}
-        #: Revokes the store could not take yet (unreachable), retried until it answers.
-        self.held_revokes = HeldRevokes(self.store.revoke, config.unavailable_retry_delay)
         self._stop = threading.Event()
         self._recovery_thread: threading.Thread | None = None
         self.recovery_passes = 0
@@ -121,7 +120,8 @@ class LeaseWorker:
     def stop(self, unstarted: bool) -> None:
         """Release what is still held and stop the threads."""
         self._stop.set()
-        self.held_revokes.stop()
+        if "held_revokes" in self.__dict__:
+            self.held_revokes.stop()
         self._drop_pending()
         if self.acquirer is not None:
             self.acquirer.stop()
@@ -356,6 +356,11 @@ class LeaseWorker:
 
     # -- revokes (revokes.py: which Celery path calls which) -------------------
 
+    @cached_property
+    def held_revokes(self) -> HeldRevokes:
+        """Revokes the store could not take yet (unreachable), retried until it answers."""
+        return HeldRevokes(self.store.revoke, self.config.unavailable_retry_delay)
+
     def revoke(self, task_id: str, *, expired: bool = False, owner: str = "",
                token: int | None = None, name: str = "") -> bool:
         """Put a Celery revoke (or, ``expired``, an expiry) to the lease; True when Celery
@@ -369,7 +374,7 @@ class LeaseWorker:
         """
         if token is not None:
             self.heartbeat.forget(task_id, token)
-        call = dict(expired=expired, owner=owner if token is not None else "",
+        call: dict[str, Any] = dict(expired=expired, owner=owner if token is not None else "",
                     token=token or 0, name=name)
         try:
             code = self.store.revoke(task_id, **call)

@@ -8,11 +8,30 @@ import time
 
 import pytest
 
-from celery_leases import Code, CorruptRecord
-from tests.test_store_scripts import (A, B, SHORT, TTL, Recorder, acquire, fields, indexed,  # noqa: F401
-                                      make_store, pttl, store, wait_out)
+import redis
 
-RETENTION = 3600.0
+from celery_leases import Code, CorruptRecord, LeaseLost, LeaseStore
+from tests.test_store_scripts import A, B, SHORT, TTL, Recorder, acquire, fields, indexed, pttl, wait_out
+
+
+@pytest.fixture
+def make_store(redis_server_url, key_prefix):
+    clients = []
+
+    def make(**kwargs) -> LeaseStore:
+        client = redis.Redis.from_url(redis_server_url)
+        clients.append(client)
+        kwargs.setdefault("ttl", TTL)
+        return LeaseStore(client, prefix=key_prefix, **kwargs)
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def store(make_store) -> LeaseStore:
+    return make_store()
 
 
 def message_exists(store, task_id: str) -> bool:
@@ -60,7 +79,7 @@ def test_revoke_of_an_owner_that_stopped_renewing_ends_the_lease(store, expired)
     # Then nobody runs it again and the late owner's outcome is refused
     assert store.get("t1").state == "revoked" and indexed(store) == {}
     assert acquire(store, "t1", B).code is Code.FINISHED
-    with pytest.raises(Exception):
+    with pytest.raises(LeaseLost):
         store.finish("t1", A, acq.token, "succeeded")
     assert store.get("t1").state == "revoked"
 
@@ -191,9 +210,6 @@ def test_a_corrupt_record_is_reported_and_left_as_it_was(store):
 def test_held_revokes_reach_the_store_once_it_answers_and_are_bounded(tmp_path, caplog):
     import logging
 
-    import redis
-
-    from celery_leases import LeaseStore
     from celery_leases.exceptions import LeaseUnavailable
     from celery_leases.revokes import HeldRevokes
     from tests.redis_server import RedisServer
@@ -201,15 +217,15 @@ def test_held_revokes_reach_the_store_once_it_answers_and_are_bounded(tmp_path, 
     # Given a store whose server is down
     server = RedisServer(dir=tmp_path, appendonly=True).start()
     client = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
-    store = LeaseStore(client, prefix="held", ttl=TTL)
-    held = HeldRevokes(store.revoke, delay=0.2, limit=2)
+    lease_store = LeaseStore(client, prefix="held", ttl=TTL)
+    held = HeldRevokes(lease_store.revoke, delay=0.2, limit=2)
     try:
         server.stop()
         # When three revokes cannot reach it (at most two are held)
         caplog.set_level(logging.WARNING, logger="celery_leases.worker")
         for task_id in ("t1", "t2", "t3"):
             with pytest.raises(LeaseUnavailable) as info:
-                store.revoke(task_id)
+                lease_store.revoke(task_id)
             held.add(task_id, info.value, expired=False, owner="", token=0, name="proj.add")
         # Then the oldest is dropped, named in an error, and one warning says revokes are held
         assert len(held) == 2 and "t1" not in held
@@ -224,8 +240,8 @@ def test_held_revokes_reach_the_store_once_it_answers_and_are_bounded(tmp_path, 
         while len(held) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(held) == 0
-        assert store.get("t2").state == store.get("t3").state == "revoked"
-        assert store.get("t1") is None
+        assert lease_store.get("t2").state == lease_store.get("t3").state == "revoked"
+        assert lease_store.get("t1") is None
         assert any("held-back revoke(s) applied" in r.getMessage() for r in caplog.records)
     finally:
         held.stop()
