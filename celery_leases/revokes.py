@@ -121,7 +121,6 @@ class HeldRevokes:
         self._apply, self.delay, self.limit = apply, delay, limit
         self._held: "OrderedDict[str, dict]" = OrderedDict()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._since: float | None = None
