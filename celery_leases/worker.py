@@ -385,6 +385,10 @@ class LeaseWorker:
             logger.error("task %s: revoke not applied to its lease: %s; Celery revokes it as usual",
                          task_id, exc)
             return True
+        except Exception:  # noqa: BLE001 - called from inside Celery's revoke: never break it
+            logger.exception("task %s: revoke not applied to its lease; Celery revokes it as usual",
+                             task_id)
+            return True
         if code is Code.OK:
             return True
         if code is Code.FINISHED:
