@@ -9,14 +9,18 @@ override below is re-attached to each generated subclass.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import Terminated
 from celery.exceptions import TaskRevokedError, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
+from celery.worker.state import revoked as revoked_tasks
 from celery.worker.state import task_ready
 
 from .exceptions import LeaseLost, LeaseUnavailable
+from .revokes import decided
 from .runtime import get_worker
 from .settle import settle_finish
 from .signals import stale_outcome_rejected
@@ -160,7 +164,12 @@ class LeasedRequest(Request):
             return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
         worker.forget(self.id, token)
         exc = _unwrap(exc_info.exception)
-        lost_child = isinstance(exc, WorkerLostError) or (
+        if self._already_revoked or (isinstance(exc, Terminated) and not self._already_cancelled):
+            # A revoke (terminate) ended it: the lease was revoked when Celery announced
+            # it, or Celery announces it now (revoked first, then REVOKED stored).
+            return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        # (A Terminated left here was cancelled on a broker connection loss: a recovery case.)
+        lost_child = isinstance(exc, (WorkerLostError, Terminated)) or (
             isinstance(exc, (SystemExit, KeyboardInterrupt))
             and not (self._already_cancelled or self._already_revoked))
         if lost_child:
@@ -194,18 +203,49 @@ class LeasedRequest(Request):
             return None
         return super().on_timeout(soft, timeout)
 
+    # -- revokes (revokes.py lists every path) ----------------------------------
+
     def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> Any:
+        """Celery discards (or terminated) this delivery as revoked or expired: the store
+        decides first whether REVOKED may be stored."""
         worker = get_worker(self._app)
-        if worker is not None and getattr(self.task, "leased", False):
-            token = self.lease_token
-            if token is not None:
-                worker.forget(self.id, token)
-                accepted = self._lease_finish("revoked", token)
-            else:
-                accepted = worker.revoke_unowned(self.id, expired=expired)
-            if not accepted:
-                task_ready(self)
-                self.acknowledge()
-                self._already_revoked = True
-                return None
-        return super()._announce_revoked(reason, terminated, signum, expired)
+        if worker is None or not getattr(self.task, "leased", False):
+            return super()._announce_revoked(reason, terminated, signum, expired)
+        worker.gate_revokes(self.task.backend)
+        token = self.lease_token
+        if not worker.revoke(self.id, expired=expired, owner=self._request_dict.get("lease_owner") or "",
+                             token=token, name=self.name):
+            # Finished (its result stays) or another owner runs it (its outcome stands).
+            task_ready(self)
+            self.acknowledge()
+            self._already_revoked = True
+            return None
+        with decided(self.id):
+            return super()._announce_revoked(reason, terminated, signum, expired)
+
+    def terminate(self, pool: Any, signal: Any = None) -> Any:
+        """Pools that cannot terminate (threads, solo) raise before Celery announces
+        anything: the revoke still reaches the lease, as the plain revoke it then is."""
+        try:
+            return super().terminate(pool, signal)
+        except (NotImplementedError, AttributeError):
+            worker = get_worker(self._app)
+            if worker is None or not getattr(self.task, "leased", False):
+                raise
+            if self.time_start:
+                # Running and not stoppable: its outcome stands, it never runs again.
+                worker.revoke(self.id, name=self.name)
+                raise
+            # Handed to an in-process pool, not started: the gate revoked its lease when
+            # Celery stored REVOKED, and on_accepted below keeps the body from running.
+            logger.info("task %s[%s]: revoked before it started; the %s pool cannot terminate, "
+                        "its body will not run", self.name, self.id, type(pool).__module__)
+            return None
+
+    def on_accepted(self, pid: int, time_accepted: float) -> Any:
+        # An in-process pool (threads) starts queued work without asking whether it was
+        # revoked meanwhile; Celery's own check ran when it was queued.
+        if self.id in revoked_tasks and pid == os.getpid() and getattr(self.task, "leased", False):
+            self._request_dict["lease_skip"] = "revoked before it started"
+            self._terminate_on_ack = None
+        return super().on_accepted(pid, time_accepted)

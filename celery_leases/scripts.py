@@ -17,6 +17,7 @@ SCRIPT_NAMES = (
     "acquire", "renew_many", "finish", "claim_expired", "mark_published",
     "release", "progress", "expired", "fenced_write", "complete_step", "purge",
     "park", "unpark",
+    "revoke",
 )
 
 

@@ -30,7 +30,8 @@ __all__ = ["LeaseStore", "LeaseRecord", "Acquisition", "Claim", "RecoveryReport"
 logger = logging.getLogger("celery_leases.store")
 
 _INT_FIELDS = ("token", "ttl", "generation", "recoveries", "attempt",
-               "progress_timeout", "progress_deadline", "acquired_at", "finished_at")
+               "progress_timeout", "progress_deadline", "acquired_at", "finished_at",
+               "revoke_requested")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class LeaseRecord:
     finished_at: int = 0
     progress_timeout: int = 0
     progress_deadline: int = 0
+    #: Server-clock ms of a revoke that came while an owner ran the task (0: none).
+    revoke_requested: int = 0
     #: (token, owner, acquired_at) of the last owners, oldest first.
     history: tuple = ()
     has_message: bool = False
@@ -432,6 +435,25 @@ class LeaseStore:
         _raise_if_corrupt(reply, f"finish of task {task_id}")
         code, current, state = reply
         _raise_unless_ok(Code(code), task_id, token, state.decode())
+
+    def revoke(self, task_id: str, *, expired: bool = False, owner: str = "", token: int = 0,
+               name: str = "") -> Code:
+        """Celery revoked ``task_id`` (or, ``expired``, its message passed ``expires``).
+
+        OK: the task is revoked (now or before; a task never seen gets a terminal
+        revoked record, so a later delivery is refused): REVOKED may be stored.
+        FINISHED: it finished otherwise; its stored result must stay. BUSY: another
+        owner holds a live lease and its outcome stands; a plain revoke is
+        remembered so nobody runs the task after that owner (revoke.lua).
+        ``owner``/``token``: the caller's own lease, whose execution is being
+        discarded or terminated; it is revoked even though it is live.
+        """
+        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+        code, _token, _state = self._run(
+            scripts.revoke, [key, shard.deadlines, shard.stats, self.keys.message(task_id)],
+            [task_id, 1 if expired else 0, _ms(self.retention), owner, int(token or 0), name],
+            f"task {task_id}, key {key}")
+        return Code(code)
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
                    check_progress: bool = False) -> dict[str, Code]:

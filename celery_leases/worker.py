@@ -17,12 +17,14 @@ import signal as _signal
 import socket
 import threading
 import uuid
+from functools import cached_property
 from typing import Any
 
 from celery import bootsteps
 from celery.exceptions import TaskRevokedError
 from celery.signals import task_received, worker_process_init, worker_shutdown
 from celery.worker.state import active_requests, reserved_requests
+from celery.worker.state import revoked as revoked_tasks
 
 from .acquirer import Acquirer, Job
 from .checks import run_checks
@@ -32,6 +34,7 @@ from .exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
 from .receipt import (REQUEUES_HEADER, DeliveryWindow, Throttled, describe, eta_after,
                       requeue_delay, usable_id, validate_message)
+from .revokes import HeldRevokes, gate_backend, install_control_hook
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .clock import server_clock
@@ -99,6 +102,7 @@ class LeaseWorker:
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()
         run_checks(self.app, self.config, self.store)  # warnings only: Redis and broker settings
+        self.gate_revokes()
         self.heartbeat.start()
         if self.config.worker_recovery:
             self._recovery_thread = threading.Thread(
@@ -107,9 +111,23 @@ class LeaseWorker:
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)
 
+    def gate_revokes(self, backend: Any = None) -> None:
+        """Every revoke path of Celery reaches the lease (revokes.py): the backends this
+        process stores REVOKED with ask the store first, and so does the revoke command."""
+        if backend is not None:
+            gate_backend(backend, self.revoke_stored)
+            return
+        gate_backend(self.app.backend, self.revoke_stored)
+        for task in list(self.app.tasks.values()):
+            if getattr(task, "leased", False) and getattr(task, "_backend", None) is not None:
+                gate_backend(task._backend, self.revoke_stored)
+        install_control_hook()
+
     def stop(self, unstarted: bool) -> None:
         """Release what is still held and stop the threads."""
         self._stop.set()
+        if "held_revokes" in self.__dict__:
+            self.held_revokes.stop()
         self._drop_pending()
         if self.acquirer is not None:
             self.acquirer.stop()
@@ -348,6 +366,10 @@ class LeaseWorker:
                              f"a delivery cannot act on")
         logger.info("task %s[%s]: delivery not run: %s", task.name, request.id, reason)
         request.request_dict["lease_skip"] = reason
+        if acq.code is Code.FINISHED and acq.state == "revoked":
+            # Celery discards it as revoked when it is due (REVOKED stored, the message
+            # acked), even on a worker that never heard of the revoke.
+            revoked_tasks.add(request.id)
         delivery_refused.send(sender=task, task_id=request.id, reason=reason, code=acq.code,
                               token=acq.token)
         if acq.code is Code.DEAD:
@@ -459,20 +481,71 @@ class LeaseWorker:
                          ", ".join(leases), exc)
             return 0
 
-    def revoke_unowned(self, task_id: str, expired: bool) -> bool:
-        """A revoked or expired delivery this worker does not own; True to write REVOKED."""
+    # -- revokes (revokes.py: which Celery path calls which) -------------------
+
+    @cached_property
+    def held_revokes(self) -> HeldRevokes:
+        """Revokes the store could not take yet (unreachable), retried until it answers."""
+        return HeldRevokes(self.store.revoke, self.config.unavailable_retry_delay)
+
+    def revoke(self, task_id: str, *, expired: bool = False, owner: str = "",
+               token: int | None = None, name: str = "") -> bool:
+        """Put a Celery revoke (or, ``expired``, an expiry) to the lease; True when Celery
+        may store REVOKED.
+
+        ``owner``/``token``: this worker's own lease of the delivery being
+        discarded or terminated. False when the task finished (its stored
+        result stays) or another owner runs it (its outcome stands). The store
+        unreachable: True, as Celery revokes regardless, and the revoke is held
+        and retried until the store answers.
+        """
+        if token is not None:
+            self.heartbeat.forget(task_id, token)
+        call: dict[str, Any] = dict(expired=expired, owner=owner if token is not None else "",
+                    token=token or 0, name=name)
         try:
-            record = self.store.get(task_id)
-            if record is None:
-                return True
-            if expired and record.state == "active":
-                # Another owner started it before it expired: its outcome stands.
-                return False
-            self.store.finish(task_id, "", 0, "revoked")
+            code = self.store.revoke(task_id, **call)
+        except LeaseUnavailable as exc:
+            self.held_revokes.add(task_id, exc, **call)
             return True
         except LeaseError as exc:
-            logger.info("task %s: revoke not applied to its lease: %s", task_id, exc)
-            return record is None or record.state != "active"
+            logger.error("task %s: revoke not applied to its lease: %s; Celery revokes it as usual",
+                         task_id, exc)
+            return True
+        except Exception:  # noqa: BLE001 - called from inside Celery's revoke: never break it
+            logger.exception("task %s: revoke not applied to its lease; Celery revokes it as usual",
+                             task_id)
+            return True
+        if code is Code.OK:
+            return True
+        if code is Code.FINISHED:
+            logger.info("task %s: revoke of a task that already finished: its stored result stays",
+                        task_id)
+        elif expired:
+            logger.info("task %s: expired copy not run; another owner started the task in time "
+                        "and its outcome stands", task_id)
+        else:
+            logger.info("task %s: revoked while another owner runs it: that run's outcome stands, "
+                        "and the task will not run again", task_id)
+        return False
+
+    def revoke_stored(self, task_id: str) -> bool:
+        """Celery's revoke command is about to store REVOKED for a task not running here
+        (prefetched, ETA-held, or not held by this worker); True to let it."""
+        with self.heartbeat.lock:
+            held = self.heartbeat.held.get(task_id)
+        request = held.request if held is not None else None
+        if held is not None and not held.lost and request is not None \
+                and request not in active_requests:
+            return self.revoke(task_id, owner=self.owner, token=held.token, name=request.name)
+        return self.revoke(task_id)
+
+    def revoke_running(self, task_id: str) -> None:
+        """A plain revoke of ``task_id`` (Celery's revoke command, before it runs): a leased
+        request running here is not stopped, but the lease must remember the revoke."""
+        request = next((r for r in list(active_requests) if r.id == task_id), None)
+        if request is not None and getattr(request.task, "leased", False):
+            self.revoke(task_id, name=request.name)
 
     def _on_missing(self, task_id: str, held: Held) -> bool:
         """A held lease's record is gone: put it back under the same token if nobody else has one.

@@ -136,7 +136,7 @@ def test_a_heartbeat_tick_counts_the_leases_it_renewed(client_app, registry, met
     heartbeat = Heartbeat(store, "w", 1.0, on_lost=lambda *args: None, sender=client_app)
     for task_id in ("a", "b", "c"):
         heartbeat.add(task_id, Held(store.acquire(task_id, "w").token))
-    store.finish("c", "", 0, "revoked")   # a forced revoke: "c" is no longer renewable
+    store.revoke("c", owner="w", token=store.get("c").token)   # "c" is no longer renewable
     # When it ticks twice
     heartbeat.tick()
     heartbeat.tick()

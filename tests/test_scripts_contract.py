@@ -212,6 +212,7 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     store.finish("t1", "w", again.token, "succeeded")
     other = store.acquire("t2", "w")
     store.finish("t2", "w", other.token, "succeeded", write=(f"{key_prefix}:result:t2", "r", 0))
+    store.revoke("t3", name="proj.add")
     store.purge()
     store.park("t3", "corrupt", body=b"b", envelope={"x": 1}, key="k", field="f")
     store.unpark("t3")

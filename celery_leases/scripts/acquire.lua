@@ -6,6 +6,8 @@
   is a later retry attempt than the record's, or when the previous owner's lease
   has expired and no recovery has claimed it yet (a take-over, counted as a
   recovery unless the lease was released unstarted). Older copies of the message are stale.
+  A task revoked while an owner ran it (revoke.lua left revoke_requested) is never run
+  again: the delivery that would have been the next owner ends the lease revoked.
 
   Input:
     KEYS[1] record hash of the task
@@ -23,7 +25,7 @@
     ARGV[8] task name
     ARGV[9] message body ('' keeps the stored one)
     ARGV[10] message envelope, JSON ('' keeps the stored one)
-    ARGV[11] retention in ms of a record that turns dead here
+    ARGV[11] retention in ms of a record that turns dead or revoked here
     ARGV[12] 1 to draw the token no lower than the server clock in µs (sharded stores), 0 not to
     ARGV[13] optional: re-assert this token for the caller instead of drawing one. Only for
              an owner whose renewal found no record (a failover lost the write that
@@ -34,7 +36,8 @@
     ACQUIRED    the caller owns the lease with the new token
     TAKEN_OVER  the caller owns the lease; the previous owner had expired
     BUSY        a live owner holds the lease (token is theirs)
-    FINISHED    the record is terminal (state says which)
+    FINISHED    the record is terminal (state says which), or was revoked while an
+                owner ran it and is now terminal revoked
     STALE       the message is an older copy than the record
     DEAD        taking over would pass max recoveries: the record is now dead
     LOST        (re-assert only) a record exists and the caller does not hold it
@@ -53,8 +56,9 @@ if not (ttl and msg_gen and msg_attempt and max_recoveries and progress_timeout)
 end
 
 -- Everything this script depends on is read and validated before anything is written.
-local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder'},
-                      {'token', 'generation', 'recoveries', 'attempt', 'hn'}, {'token'})
+local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
+                            'revoke_requested'},
+                      {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested'}, {'token'})
 if bad then return bad end
 -- The deadline read doubles as the index's type check.
 local indexed = redis.pcall('ZSCORE', deadlines, task_id)
@@ -97,6 +101,20 @@ elseif state then
   if msg_gen < generation or msg_attempt < attempt then
     count(stats, 'stale_deliveries', 1)
     return {5, token, generation, recoveries, state}
+  end
+  if rec.revoke_requested then
+    -- Revoked while an owner ran it: that owner may still finish, nobody runs it again.
+    local live = state == 'active' and msg_attempt == attempt and msg_gen == generation
+      and (tonumber(indexed) or 0) > now
+    if not live then
+      redis.call('HSET', key, 'state', 'revoked', 'finished_at', now)
+      redis.call('HDEL', key, 'holder')
+      redis.call('DEL', message)
+      redis.call('ZREM', deadlines, task_id)
+      redis.call('PEXPIRE', key, tonumber(ARGV[11]))
+      count(stats, 'revoked', 1)
+      return {4, token, generation, recoveries, 'revoked'}
+    end
   end
   if state == 'active' and msg_attempt == attempt and msg_gen == generation then
     local deadline = tonumber(indexed)

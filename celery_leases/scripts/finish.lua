@@ -28,7 +28,7 @@
     KEYS[5] token sequence counter (raised by a re-assert)
     ARGV[1] task id
     ARGV[2] owner (worker instance id)
-    ARGV[3] token of the caller (0 with outcome revoked: forced revoke)
+    ARGV[3] token of the caller
     ARGV[4] outcome: succeeded | failed | revoked | retry
     ARGV[5] retention in ms
     ARGV[6] next attempt (retry only)
@@ -44,7 +44,7 @@
     OK        the outcome was accepted (now, or by an earlier copy of this finish)
     LOST      another owner's token is current, or the lease was released or recovered
     FINISHED  the record was already terminal
-    MISSING   there is no record for this task id (forced revoke only; a holder re-asserts)
+    MISSING   there is no record for this task id and the caller holds no token (a holder re-asserts)
     LATE      the finish reached the server after ARGV[8]: nothing was changed
     CORRUPT   the record, the deadline index or the token sequence is not what this
               protocol wrote; nothing written
@@ -118,8 +118,7 @@ if terminal then
   if current ~= token then count(stats, 'refused', 1) end
   return {4, current, rec.state}
 end
-local forced = outcome == 'revoked' and token == 0
-if not forced and (rec.state ~= 'active' or current ~= token or rec.owner ~= owner) then
+if rec.state ~= 'active' or current ~= token or rec.owner ~= owner then
   count(stats, 'refused', 1)
   return {7, current, rec.state}
 end
