@@ -449,11 +449,12 @@ class LeaseStore:
         discarded or terminated; it is revoked even though it is live.
         """
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
-        code, _token, _state = self._run(
+        reply = self._run(
             scripts.revoke, [key, shard.deadlines, shard.stats, self.keys.message(task_id)],
             [task_id, 1 if expired else 0, _ms(self.retention), owner, int(token or 0), name],
             f"task {task_id}, key {key}")
-        return Code(code)
+        _raise_if_corrupt(reply, f"revoke of task {task_id}")
+        return Code(reply[0])
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
                    check_progress: bool = False) -> dict[str, Code]:

@@ -139,8 +139,37 @@ def test_finish(store, what, kind, field, outcome):
     key = target(store, what)
     spoil(store.client, key, kind, field)
     before = dumps(store.client, keys_of(store))
-    token = 0 if outcome == "revoked" else acq.token  # revoked with 0: the forced revoke
-    expect_corrupt(lambda: store.finish("t1", A, token, outcome, next_attempt=1), key, field)
+    expect_corrupt(lambda: store.finish("t1", A, acq.token, outcome, next_attempt=1), key, field)
+    unchanged(store.client, before)
+
+
+@pytest.mark.parametrize("kind,field", [("hash", "type"), ("value", "value")])
+def test_finish_reasserting_a_vanished_record_checks_the_token_sequence_first(store, kind, field):
+    # Given a holder whose record vanished (the store restarted empty) and a corrupt sequence
+    acq = live(store)
+    store.client.delete(store.keys.record("t1"))
+    key = store.keys.shard_for("t1").sequence
+    spoil(store.client, key, kind, field)
+    before = dumps(store.client, keys_of(store))
+    # When its finish would re-assert the record, Then CORRUPT names the sequence, nothing written
+    expect_corrupt(lambda: store.finish("t1", A, acq.token, "succeeded"), key, field)
+    unchanged(store.client, before)
+
+
+REVOKE_CASES = FINISH_CASES + [("message", "type", "type")]
+
+
+@pytest.mark.parametrize("what,kind,field", REVOKE_CASES, ids=[f"{w}-{k}-{f}" for w, k, f in REVOKE_CASES])
+@pytest.mark.parametrize("record_state", ["active", "recovering"])
+def test_revoke(store, what, kind, field, record_state):
+    acq = live(store)
+    if record_state == "recovering":
+        store.release(A, {"t1": acq.token})
+        store.claim_expired(ids=["t1"])
+    key = target(store, what)
+    spoil(store.client, key, kind, field)
+    before = dumps(store.client, keys_of(store))
+    expect_corrupt(lambda: store.revoke("t1"), key, field)
     unchanged(store.client, before)
 
 
