@@ -180,8 +180,16 @@ def test_a_read_only_server_counts_as_unavailable(tmp_path, key_prefix):
         assert store._direct._conn is None
         # And every other path that writes says the same (errors.py): a pipeline of
         # script calls over two shards, a plain write, a finish
+        # (the leases are taken on the primary and have expired: claiming them must write)
+        ids = [f"t{i}" for i in range(6)]
+        on_primary = LeaseStore(redis.Redis.from_url(primary.url), prefix=key_prefix, shards=2)
+        for task_id in ids:
+            on_primary.acquire(task_id, "w0", ttl=0.05)
+        primary.client().wait(1, 5000)
+        time.sleep(0.1)
         sharded = LeaseStore(redis.Redis.from_url(replica.url), prefix=key_prefix, shards=2)
-        for name, call in {"pipeline": lambda: sharded.claim_expired(ids=[f"t{i}" for i in range(6)]),
+        assert len(sharded.expired()) == len(ids)
+        for name, call in {"pipeline": lambda: sharded.claim_expired(ids=ids),
                            "write": lambda: store.try_recovery_turn("w1", 1.0),
                            "finish": lambda: store.finish("t", "w1", 1, "succeeded")}.items():
             with pytest.raises(LeaseUnavailable) as exc_info:
