@@ -49,7 +49,8 @@ class LeaseConfig:
     dead_letter_queue: str | None = defaults.DEAD_LETTER_QUEUE
     unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
     worker_recovery: bool = defaults.WORKER_RECOVERY
-    beat_schedule: bool = defaults.BEAT_SCHEDULE
+    #: None: add the beat entry only when worker_recovery is off (install.beat_entry_wanted).
+    beat_schedule: bool | None = defaults.BEAT_SCHEDULE
     #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).
     redis_transport_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     #: The setting redis_transport_options came from, for error messages.
@@ -179,7 +180,8 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
         unavailable_retry_delay=_number(setting("unavailable_retry_delay", defaults.UNAVAILABLE_RETRY_DELAY),
                                         "leases_unavailable_retry_delay"),
         worker_recovery=_boolean(setting("worker_recovery", defaults.WORKER_RECOVERY), "leases_worker_recovery"),
-        beat_schedule=_boolean(setting("beat_schedule", defaults.BEAT_SCHEDULE), "leases_beat_schedule"),
+        beat_schedule=_optional_boolean(setting("beat_schedule", defaults.BEAT_SCHEDULE),
+                                        "leases_beat_schedule"),
     )
     return config.validate()
 
@@ -282,3 +284,7 @@ def _boolean(value: Any, name: str) -> bool:
     if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return value.lower() in ("1", "true", "yes", "on")
     raise ConfigurationError(f"{name} must be a boolean, got {value!r}")
+
+
+def _optional_boolean(value: Any, name: str) -> bool | None:
+    return None if value is None else _boolean(value, name)

@@ -16,6 +16,7 @@ from redis.exceptions import NoScriptError
 SCRIPT_NAMES = (
     "acquire", "renew_many", "finish", "claim_expired", "mark_published",
     "release", "progress", "expired", "fenced_write", "complete_step", "purge",
+    "mark_started",
 )
 
 

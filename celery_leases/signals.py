@@ -26,3 +26,7 @@ stale_outcome_rejected = Signal(name="stale_outcome_rejected",
 #: Sent in the worker's main process after each successful heartbeat tick:
 #: how many held leases were renewed and how many were not (lost or finished).
 leases_renewed = Signal(name="leases_renewed", providing_args={"owner", "renewed", "not_renewed"})
+#: Sent in the process that ran a task whose success was accepted but whose link
+#: callback or next chain step could not be published after every retry:
+#: ``callback`` names it, ``error`` is the last error (the success stays stored).
+callbacks_failed = Signal(name="callbacks_failed", providing_args={"task_id", "callback", "error"})

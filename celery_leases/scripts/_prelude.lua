@@ -7,6 +7,7 @@
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
   history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
+  unstarted_limit(max)       recoveries allowed to a lease never marked started
 ]]
 local function now_ms()
   local t = redis.call('TIME')
@@ -42,4 +43,14 @@ local function history_fields(key, count, entry)
   -- The last 16 owners, one small field each ("h:0".."h:15", ring by count),
   -- so the record keeps Redis's compact hash encoding.
   return 'h:' .. (count % 16), entry, 'hn', count + 1
+end
+
+local function unstarted_limit(max_recoveries)
+  -- A lease never marked started (mark_started.lua) costs its task no recovery
+  -- when its worker dies: the task had probably only been prefetched. But its
+  -- start mark may have died with the worker (a body that kills its worker in
+  -- its first milliseconds), so these recoveries have a bound of their own,
+  -- larger than max_recoveries: prefetched innocents outlive a poison pill's
+  -- max_recoveries + 1 worker deaths, and nothing is recovered without end.
+  return 4 * (max_recoveries + 1)
 end
