@@ -25,6 +25,9 @@ from tests.redis_server import RedisServer
 from tests.workers import Worker, starts, wait_for
 
 APP = "tests.apps.semantics_app"
+#: Seconds the broker stays down after the success was accepted: longer than Celery's
+#: own publish retries last with LEASES_TEST_PUBLISH_RETRIES=1 (about 12 s here).
+OUTAGE = 20.0
 
 
 @pytest.fixture
@@ -101,8 +104,7 @@ def test_a_poison_pill_dies_alone_and_its_prefetched_neighbours_all_succeed(
 # -- #14.4: callbacks of an accepted success survive a broker outage --------------------
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
-@pytest.mark.parametrize("kind", ["link", "chain"])
+@pytest.mark.parametrize("pool, kind", [("prefork", "link"), ("threads", "chain")])
 def test_callbacks_of_an_accepted_success_are_sent_once_the_broker_is_back(
         pool, kind, celery_env, workers, history, redis_server_url, tmp_path):
     # Given a broker on its own redis-server, the lease store and the backend on another
@@ -110,7 +112,8 @@ def test_callbacks_of_an_accepted_success_are_sent_once_the_broker_is_back(
     broker.start()
     try:
         env = {**celery_env, "LEASES_TEST_BROKER": broker.url, "LEASES_TEST_BACKEND": redis_server_url,
-               "LEASES_TEST_LEASES_URL": redis_server_url, "LEASES_TEST_TTL": "5"}
+               "LEASES_TEST_LEASES_URL": redis_server_url, "LEASES_TEST_TTL": "5",
+               "LEASES_TEST_PUBLISH_RETRIES": "1"}
         app = client(env)
         store = celery_leases.store(app)
         workers(f"cb-{pool}-{kind}", env, pool=pool, concurrency=1)
@@ -128,7 +131,8 @@ def test_callbacks_of_an_accepted_success_are_sent_once_the_broker_is_back(
         broker.stop()
         wait_for(lambda: (store.get(task_id) or None) and store.get(task_id).state == "succeeded", 15,
                  what="the success to be accepted")
-        time.sleep(2.0)
+        # (longer than Celery's own publish retries last)
+        time.sleep(OUTAGE)
         assert not [h for h in history() if h[0] == "callback"]
         # And comes back
         broker.start()
