@@ -199,7 +199,7 @@ LINE = re.compile(r"^\[[^\]]*: (?P<level>[A-Z]+)/[^\]]*\] (?P<logger>[\w.]+): (?
 
 def lines(log: str, after: str = " ready.") -> list[tuple[str, str, str]]:
     """(level, logger, message) of the log lines after the line holding ``after``."""
-    text = log.split(after, 1)[1] if after in log else log
+    text = log.split(after, 1)[1] if after and after in log else log
     out = []
     for raw in text.splitlines():
         m = LINE.match(raw)
@@ -243,7 +243,7 @@ def test_a_healthy_worker_logs_nothing_at_info_and_an_outage_logs_its_start_and_
                   if line[1].startswith("celery_leases") and line[0] != "DEBUG"]
         for what in ("lease heartbeat", "fallback recovery pass"):
             mine = [line for line in outage if what in line[2]]
-            failed = [line for line in mine if " failed" in line[2]]
+            failed = [line for line in mine if " failed" in line[2] and "works again" not in line[2]]
             back = [line for line in mine if "works again" in line[2]]
             assert len(failed) == 1 and failed[0][0] == "ERROR", (what, outage)
             assert len(back) == 1 and re.search(r"after (\d+) failed attempt\(s\)", back[0][2]), (what, outage)
@@ -252,3 +252,49 @@ def test_a_healthy_worker_logs_nothing_at_info_and_an_outage_logs_its_start_and_
         app.close()
     finally:
         store_server.stop()
+
+
+def test_a_callback_that_cannot_be_sent_is_reported_naming_task_and_callback(caplog):
+    # Given a task whose broker refuses connections, with a link callback and a chain step
+    from celery import Celery
+    from celery.app.task import Context
+
+    from celery_leases.callbacks import send_callbacks
+    from celery_leases.processes import free_port
+    from celery_leases.signals import callbacks_failed
+    app = Celery("unsent", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)
+    app.conf.task_publish_retry = False   # Celery's own retries would only make this slow
+    app.conf.broker_connection_max_retries = 1
+    app.conf.broker_connection_retry = False
+
+    @app.task(name="proj.parent")
+    def parent():
+        return 1
+
+    request = Context(id="t-1", root_id="t-1", delivery_info={},
+                      callbacks=[app.signature("proj.after", immutable=True)],
+                      chain=[app.signature("proj.next")])
+    reported = []
+
+    def on_failed(sender=None, task_id=None, callback=None, error=None, **kwargs):
+        reported.append((task_id, callback, type(error).__name__))
+
+    callbacks_failed.connect(on_failed)
+    slept = []
+    try:
+        caplog.set_level("WARNING", logger="celery_leases.task")
+        # When they are sent, with 2 tries each (each refused publish takes redis-py ~6 s)
+        failed = send_callbacks(parent, request, 1, sleep=slept.append, attempts=2)
+    finally:
+        callbacks_failed.disconnect(on_failed)
+        app.close()
+
+    # Then both are reported (log and signal), after 2 tries with a delay in between,
+    # and the tracer is left nothing to send (and so no failure to store)
+    assert failed == 2 and slept == [0.5] * 2
+    assert [(t, c.split()[0]) for t, c, _ in reported] == [("t-1", "link"), ("t-1", "next")]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2
+    assert "proj.parent[t-1]" in errors[0] and "link callback proj.after" in errors[0]
+    assert "next chain step proj.next" in errors[1] and "after 2 try(s)" in errors[1]
+    assert request.callbacks is None and request.chain is None
