@@ -298,3 +298,37 @@ def test_a_callback_that_cannot_be_sent_is_reported_naming_task_and_callback(cap
     assert "proj.parent[t-1]" in errors[0] and "link callback proj.after" in errors[0]
     assert "next chain step proj.next" in errors[1] and "after 2 try(s)" in errors[1]
     assert request.callbacks is None and request.chain is None
+
+
+def test_the_recovery_task_logs_a_store_outage_once_when_it_starts_and_once_when_it_ends(
+        tmp_path, caplog):
+    # Given the recovery task of an app whose lease store has a server of its own
+    from celery import Celery
+    store_server = RedisServer(dir=tmp_path / "store")
+    store_server.start()
+    app = Celery("outage", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.update(leases_redis_url=store_server.url, leases_recovery_interval=0.1,
+                    leases_key_prefix="outage")
+    celery_leases.install(app)
+    recover = app.tasks["celery_leases.recover"]
+    caplog.set_level("DEBUG", logger="celery_leases.recovery")
+    try:
+        assert "failed" not in recover()
+        # When the store goes away for three runs
+        store_server.stop()
+        results = [recover() for _ in range(3)]
+        # Then each run fails quietly, and the outage is logged once, without a traceback
+        assert all("failed" in r for r in results)
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "recovery task failed" in errors[0].getMessage()
+        assert not errors[0].exc_info
+        # And when it is back, the next run logs the end of the outage with the count
+        store_server.start()
+        time.sleep(0.15)
+        assert "failed" not in recover()
+        back = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(back) == 1 and "works again after 3 failed attempt(s)" in back[0]
+        assert not [r for r in caplog.records if r.levelname == "INFO"]
+    finally:
+        store_server.stop()
+        app.close()
