@@ -770,7 +770,7 @@ class LeaseStore:
         if not task_ids:
             return []
         keys = [self.keys.record(t) for t in task_ids]
-        fields = ("state", "owner", "name", *_INT_FIELDS, *(f"h:{n}" for n in range(16)))
+        fields = ("state", "owner", "name", "started", *_INT_FIELDS, *(f"h:{n}" for n in range(16)))
 
         def read() -> list:
             pipe = self.client.pipeline(transaction=False)
