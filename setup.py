@@ -25,6 +25,11 @@ setup(
             "pytest-xdist",
             "psycopg[binary]",
             "prometheus-client",
+            # Celery's own integration suite (tests/celery_suite): its markers and fixtures.
+            "pytest-rerunfailures",
+            "pytest-order",
+            "pytest-subtests",
+            "pydantic",
         ],
         "docs": ["sphinx", "myst-parser", "pytest"],
         "prometheus": ["prometheus-client"],
