@@ -101,6 +101,37 @@ def test_a_poison_pill_dies_alone_and_its_prefetched_neighbours_all_succeed(
     app.close()
 
 
+def test_a_pill_that_kills_its_worker_before_its_start_mark_still_ends(celery_env, workers, history):
+    # Given a poison pill that kills its whole worker the instant it starts (its start
+    # mark never reaches the store), max_recoveries 0 (unstarted bound 4 * (0 + 1) = 4),
+    # and a worker restarted whenever it dies
+    env = {**celery_env, "LEASES_TEST_MAX_RECOVERIES": "0", "LEASES_TEST_WORKER_RECOVERY": "1",
+           "LEASES_TEST_TTL": "1", "LEASES_TEST_RECOVERY_INTERVAL": "0.3"}
+    app = client(env)
+    store = celery_leases.store(app)
+    pill = app.tasks["tests.apps.semantics_app.instant_pill"].delay()
+
+    # When it runs, kills, and is recovered again and again
+    lives, worker = 0, None
+    deadline = time.monotonic() + 120
+    while not ((r := store.get(pill.id)) and r.state == "dead"):
+        assert time.monotonic() < deadline, f"not dead after {lives} worker lives: {store.get(pill.id)}"
+        if worker is None or worker.proc.poll() is not None:
+            lives += 1
+            # Then it is never recovered without end: at most 1 + 4 deaths
+            assert lives <= 6, f"the pill was recovered past its bound: {store.get(pill.id)}"
+            worker = workers(f"instant-{lives}", env, pool="threads", concurrency=1)
+        time.sleep(0.1)
+
+    # And it ends dead with LeaseExpired, within the unstarted bound
+    record = store.get(pill.id)
+    assert record.recoveries + record.unstarted_recoveries <= 4
+    assert 1 <= len(starts(history, pill.id)) <= 5
+    with pytest.raises(LeaseExpired):
+        pill.get(timeout=10)
+    app.close()
+
+
 # -- #14.4: callbacks of an accepted success survive a broker outage --------------------
 
 
