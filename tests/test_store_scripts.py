@@ -718,6 +718,8 @@ def test_unstarted_recoveries_have_a_bound_of_their_own(make_store):
     # bounded, though larger than max_recoveries
     assert codes == [Code.RECOVERED] * limit + [Code.DEAD]
     assert store.get("pill").state == "dead" and store.get("pill").recoveries == 0
+    # And the dead claim counts every abandonment (LeaseExpired names it)
+    assert claim.recoveries == limit + 1
 
 
 def test_an_unmarked_take_over_past_the_unstarted_bound_makes_the_task_dead(make_store):

@@ -23,7 +23,8 @@
 
   Output: list of {task id, code, generation, recoveries, name, body, envelope}
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
-    DEAD       past max recoveries: the record is now dead. The caller stores the failure
+    DEAD       past max recoveries (or the unstarted bound: recoveries then counts the
+               unstarted ones too): the record is now dead. The caller stores the failure
                (and may dead-letter the body), then confirms with mark_published; an
                unconfirmed dead record is handed out again after the publish grace
 ]]
@@ -74,7 +75,10 @@ for i = 1, (#KEYS - 2) / 2 do
       redis.call('HDEL', key, 'holder')
       redis.call('ZADD', deadlines, now + grace, task_id)
       dead = dead + 1
-      table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+      -- Past the unstarted bound, report every abandonment (LeaseExpired names the count).
+      local abandoned = recoveries
+      if not counted then abandoned = recoveries + unstarted_recoveries end
+      table.insert(out, {task_id, 6, generation - 1, abandoned, rec.name or '', body[1] or '', body[2] or ''})
     else
       if counted then recoveries = recoveries + 1 end
       redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
