@@ -26,8 +26,8 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
         "celery_leases.metrics needs the prometheus-client package: "
         "pip install 'celery-leases[prometheus]'") from exc
 
-from .signals import (lease_acquired, lease_dead, lease_lost, lease_recovered, leases_renewed,
-                      stale_outcome_rejected)
+from .signals import (callbacks_failed, lease_acquired, lease_dead, lease_lost, lease_recovered,
+                      leases_renewed, stale_outcome_rejected)
 
 __all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS"]
 
@@ -56,16 +56,19 @@ class LeaseMetrics:
         self.recovered = C("recovered", "Tasks re-published by a recovery pass.", **kw)
         self.dead = C("dead", "Tasks declared dead after leases_max_recoveries.", **kw)
         self.refused = C("refused", "Outcomes of stale owners refused, by outcome.", ["outcome"], **kw)
+        self.callbacks_failed = C("callbacks_failed", "Link callbacks and next chain steps of an "
+                                  "accepted success not sent after every try.", **kw)
         self.time_to_recovery = H(
             "time_to_recovery_seconds", "From the last owner's acquisition of the lease to its "
             "re-publication by a recovery pass.", buckets=TIME_TO_RECOVERY_BUCKETS, **kw)
         self._collectors = [self.acquired, self.renewed, self.lost, self.recovered, self.dead,
-                            self.refused, self.time_to_recovery]
+                            self.refused, self.time_to_recovery, self.callbacks_failed]
         self._registry = registry
         self._receivers = [
             (lease_acquired, self._on_acquired), (leases_renewed, self._on_renewed),
             (lease_lost, self._on_lost), (lease_recovered, self._on_recovered),
             (lease_dead, self._on_dead), (stale_outcome_rejected, self._on_refused),
+            (callbacks_failed, self._on_callback_failed),
         ]
         for signal, receiver in self._receivers:
             signal.connect(receiver, weak=False)
@@ -116,6 +119,10 @@ class LeaseMetrics:
         if self._ours(sender):
             self.refused.labels(outcome=outcome or "unknown").inc()
 
+    def _on_callback_failed(self, sender: Any = None, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.callbacks_failed.inc()
+
 
 def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celery_leases") -> LeaseMetrics:
     """Export celery-leases' signals of ``app`` as Prometheus metrics in ``registry``.
@@ -125,7 +132,8 @@ def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celer
     the same app returns the metrics already enabled. Metric names:
     ``<namespace>_acquired_total{taken_over}``, ``_renewed_total``,
     ``_lost_total{reason}``, ``_recovered_total``, ``_dead_total``,
-    ``_refused_total{outcome}``, ``_time_to_recovery_seconds`` (histogram).
+    ``_refused_total{outcome}``, ``_callbacks_failed_total``,
+    ``_time_to_recovery_seconds`` (histogram).
     """
     with _lock:
         metrics = _enabled.get(app)
