@@ -17,14 +17,14 @@ from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
+from .callbacks import send_callbacks
+from .codes import Code
 from .config import get_config
 from .exceptions import LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
-from .callbacks import send_callbacks
 from .results import fused_write, mark_stored
 from .runtime import get_store, get_worker
-from .codes import Code
-from .signals import callbacks_failed, delivery_refused, stale_outcome_rejected
+from .signals import delivery_refused, stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.task")
 
