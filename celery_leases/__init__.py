@@ -13,8 +13,8 @@ from .exceptions import (ConfigurationError, CorruptRecord, DeliveryParked, Leas
                          LeaseExpired, LeaseLost, LeaseUnavailable, StaleFence)
 from .fencing import fenced_get, fenced_set, fenced_update, idempotency_key
 from .install import install, store
-from .signals import (delivery_parked, delivery_refused, lease_acquired, lease_dead, lease_lost, lease_recovered,
-                      leases_renewed, stale_outcome_rejected)
+from .signals import (callbacks_failed, delivery_parked, delivery_refused, lease_acquired, lease_dead,
+                      lease_lost, lease_recovered, leases_renewed, stale_outcome_rejected)
 from .store import Acquisition, Claim, LeaseRecord, LeaseStore, Parked, RecoveryReport
 from .task import LeasedTask, StaleOutcome
 
@@ -25,6 +25,6 @@ __all__ = [
     "Claim", "RecoveryReport", "Parked", "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable",
     "CorruptRecord", "DeliveryParked", "ConfigurationError", "StaleFence", "StaleOutcome",
     "lease_acquired", "lease_lost", "lease_recovered", "lease_dead", "stale_outcome_rejected",
-    "leases_renewed", "delivery_refused", "delivery_parked",
+    "leases_renewed", "delivery_refused", "delivery_parked", "callbacks_failed",
     "fenced_set", "fenced_get", "fenced_update", "idempotency_key",
 ]

@@ -185,7 +185,8 @@ class LeaseConfig:
     unavailable_retry_max_delay: float = defaults.UNAVAILABLE_RETRY_MAX_DELAY
     deliveries_per_minute: int = defaults.DELIVERIES_PER_MINUTE
     worker_recovery: bool = defaults.WORKER_RECOVERY
-    beat_schedule: bool = defaults.BEAT_SCHEDULE
+    #: None: add the beat entry only when worker_recovery is off (install.beat_entry_wanted).
+    beat_schedule: bool | None = defaults.BEAT_SCHEDULE
     #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).
     redis_transport_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     #: The setting redis_transport_options came from, for error messages.

@@ -33,5 +33,12 @@ UNAVAILABLE_RETRY_MAX_DELAY = 300.0
 DELIVERIES_PER_MINUTE = 20
 #: Whether workers run recovery passes themselves (one at a time) so recovery survives beat being down.
 WORKER_RECOVERY = True
-#: Whether install() adds the beat entry for celery_leases.recover.
-BEAT_SCHEDULE = True
+#: Whether install() adds the beat entry for celery_leases.recover; None (the default):
+#: only when WORKER_RECOVERY is off, so that one recoverer, not two, runs each interval.
+BEAT_SCHEDULE = None
+#: Tries to publish each link callback / next chain step of an accepted success
+#: (celery_leases/callbacks.py), each after Celery's own publish retries.
+CALLBACK_SEND_ATTEMPTS = 8
+#: Seconds before the second try; doubled after each failed try, up to CALLBACK_SEND_MAX_DELAY.
+CALLBACK_SEND_DELAY = 0.5
+CALLBACK_SEND_MAX_DELAY = 10.0

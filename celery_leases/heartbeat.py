@@ -5,8 +5,14 @@ their number (one call per distinct ttl / progress-timeout class, in practice
 one; with leases_shards above 1 it makes one script call per shard, pipelined).
 A thread (not the event loop's timer) because the solo pool blocks the loop
 while a task runs; a CPU-bound prefork child cannot starve it
-either, since it lives in the main process. A failing tick is logged, counted
-and retried on the next one: the thread never dies quietly.
+either, since it lives in the main process. A failing tick is counted and
+retried on the next one (an outage is logged when it starts and when it ends):
+the thread never dies quietly.
+
+The same thread sends the start marks (``LeaseStore.mark_started``): when the
+pool starts a task, the mark is queued here and sent within
+``START_MARK_DELAY``, several in one call; a task that finishes first needs
+no mark at all, so a short task costs no extra call.
 """
 from __future__ import annotations
 
@@ -17,10 +23,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .codes import Code
+from .outage import Outage
 from .signals import leases_renewed
 from .store import LeaseStore
 
 logger = logging.getLogger("celery_leases.heartbeat")
+
+#: Seconds a start mark waits to share its call with others, and for the task to
+#: end first (it then needs none): at 5 ms the overhead benchmark's no-op tasks
+#: still sent ~0.15 mark calls per task, at 25 ms ~0.04. Not longer, since a body
+#: that kills its worker before its mark is in Redis costs its task only an
+#: unstarted recovery (bounded apart, docs/recovery.md).
+START_MARK_DELAY = 0.025
 
 
 @dataclass
@@ -34,6 +48,11 @@ class Held:
     #: True when the task has a progress timeout the renewal must enforce.
     progress: bool = False
     lost: bool = False
+    #: True once the pool started the task (its start mark is then queued or sent).
+    started: bool = False
+    #: Monotonic time until which the lease is known to live (its last renewal or
+    #: acquisition, sent at or after that time minus the ttl); 0 when unknown.
+    live_until: float = 0.0
 
 
 class Heartbeat:
@@ -51,6 +70,13 @@ class Heartbeat:
         self.lock = threading.Lock()
         self.ticks = self.failures = self.consecutive_failures = 0
         self.last_renewed_at: float | None = None
+        self.outage = Outage(logger, "lease heartbeat")
+        #: Start marks waiting to be sent: task id -> token.
+        self._starts: dict[str, int] = {}
+        self.start_calls = 0
+        self._start_outage = Outage(logger, "lease start marks")
+        #: Set by add() when a new lease needs a renewal sooner than the current wait.
+        self._retick = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         #: How long the thread's current wait lasts (the interval it computed before sleeping).
@@ -65,7 +91,27 @@ class Heartbeat:
         # Wake the thread only if it sleeps longer than this lease allows (a
         # check in O(1): add runs for every task the worker receives).
         if held.interval < self._sleeping_for:
+            self._retick = True
             self._wake.set()
+
+    def started(self, task_id: str, token: int) -> None:
+        """The pool started this lease's task: queue its start mark (sent by the thread)."""
+        with self.lock:
+            held = self.held.get(task_id)
+            if held is None or held.token != token or held.started:
+                return
+            held.started = True
+            first = not self._starts
+            self._starts[task_id] = token
+        if first:  # the thread is already on its way for the others
+            self._wake.set()
+
+    def live_until(self, task_id: str, token: int) -> float | None:
+        """Monotonic time until which this lease is known to live; None if it is lost or not held."""
+        held = self.held.get(task_id)
+        if held is None or held.token != token or held.lost:
+            return None
+        return held.live_until
 
     def forget(self, task_id: str, token: int | None = None) -> Held | None:
         """Stop renewing ``task_id``; with ``token``, only if the held lease is that one.
@@ -77,6 +123,8 @@ class Heartbeat:
             held = self.held.get(task_id)
             if held is None or (token is not None and held.token != token):
                 return None
+            # A task that ended before its start mark went out needs none.
+            self._starts.pop(task_id, None)
             return self.held.pop(task_id)
 
     def is_lost(self, task_id: str, token: int) -> bool:
@@ -105,15 +153,47 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sleeping_for = self.interval
-            self._wake.wait(self._sleeping_for)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - a bug here must be seen, and the beat go on
-                self.failures += 1
-                logger.exception("lease heartbeat tick failed unexpectedly; retrying next tick")
+            due = time.monotonic() + self._sleeping_for
+            # Wake-ups for start marks send them and go back to sleep until the tick is due.
+            while True:
+                self._wake.wait(max(0.0, due - time.monotonic()))
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                if self._starts:
+                    self._stop.wait(START_MARK_DELAY)
+                    self._guarded(self.send_starts)
+                if self._retick or time.monotonic() >= due:
+                    self._retick = False
+                    break
+            self._guarded(self.tick)
+
+    def _guarded(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a bug here must be seen, and the beat go on
+            self.failures += 1
+            logger.exception("lease heartbeat: %s failed unexpectedly; retrying", fn.__name__)
+
+    def send_starts(self) -> int:
+        """Send the queued start marks in one call; on failure they wait for the next try."""
+        with self.lock:
+            starts, self._starts = self._starts, {}
+        if not starts:
+            return 0
+        try:
+            marked = self.store.mark_started(self.owner, starts)
+        except Exception as exc:  # noqa: BLE001 - counted, logged once per outage, sent again
+            with self.lock:
+                for task_id, token in starts.items():
+                    held = self.held.get(task_id)
+                    if held is not None and held.token == token:
+                        self._starts.setdefault(task_id, token)
+            self._start_outage.failed(exc, f"{len(starts)} lease(s)")
+            return 0
+        self.start_calls += 1
+        self._start_outage.succeeded()
+        return marked
 
     def tick(self) -> dict[str, Code]:
         """Renew every held lease in one call; hand the lost ones to ``on_lost``."""
@@ -126,21 +206,27 @@ class Heartbeat:
             return {}
         self.ticks += 1
         snapshot = {task_id: token for leases in groups.values() for task_id, token in leases.items()}
+        if self._starts:
+            self.send_starts()
+        sent_at = time.monotonic()
         try:
             not_renewed: dict[str, Code] = {}
             for (ttl, progress), leases in groups.items():
                 not_renewed.update(self.store.renew_many(self.owner, leases, ttl=ttl,
                                                          check_progress=progress))
-        except Exception as exc:  # noqa: BLE001 - counted, logged, retried next tick
+        except Exception as exc:  # noqa: BLE001 - counted, logged once per outage, retried next tick
             self.failures += 1
             self.consecutive_failures += 1
-            logger.error("lease heartbeat could not renew %d lease(s) (%d failure(s) in a row): %s",
-                         len(snapshot), self.consecutive_failures, exc)
+            self.outage.failed(exc, f"{len(snapshot)} lease(s) not renewed")
             return {}
-        if self.consecutive_failures:
-            logger.warning("lease heartbeat recovered after %d failed tick(s)", self.consecutive_failures)
+        self.outage.succeeded(f"{len(snapshot)} lease(s) renewed")
         self.consecutive_failures = 0
         self.last_renewed_at = time.monotonic()
+        with self.lock:
+            for task_id, token in snapshot.items():
+                held = self.held.get(task_id)
+                if held is not None and held.token == token and task_id not in not_renewed:
+                    held.live_until = sent_at + held.ttl
         leases_renewed.send(sender=self.sender, owner=self.owner,
                             renewed=len(snapshot) - len(not_renewed), not_renewed=len(not_renewed))
         for task_id, code in not_renewed.items():

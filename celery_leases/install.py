@@ -6,8 +6,9 @@ from typing import Any
 
 from celery.signals import beat_init
 
-from .config import client_config, get_config, validate_pending
-from .exceptions import ConfigurationError
+from .config import LeaseConfig, client_config, get_config, validate_pending
+from .exceptions import ConfigurationError, LeaseError
+from .outage import Outage
 from .store import LeaseStore
 
 logger = logging.getLogger("celery_leases.install")
@@ -45,20 +46,33 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         if not issubclass(base, LeasedTask):
             app.Task = type("LeasedAppTask", (LeasedTask, base), {"__module__": __name__})
 
+    outage = Outage(logging.getLogger("celery_leases.recovery"), "celery-leases: recovery task")
+
     @app.task(name=RECOVER_TASK_NAME, shared=False, ignore_result=True)
     def recover() -> dict:
-        """One recovery pass (skipped when another recoverer ran one within the interval)."""
+        """One recovery pass (skipped when another recoverer ran one within the interval).
+
+        An unreachable store is logged when the outage starts and when it ends
+        (with counts), not with a traceback on every run.
+        """
         config = get_config(app)
         store_ = store(app)
-        if not store_.try_recovery_turn("beat", config.recovery_interval * 0.9):
-            return {"skipped": True}
-        return store_.recover().as_dict()
+        try:
+            if not store_.try_recovery_turn("beat", config.recovery_interval * 0.9):
+                outage.succeeded()
+                return {"skipped": True}
+            report = store_.recover().as_dict()
+        except LeaseError as exc:
+            outage.failed(exc)
+            return {"failed": str(exc)}
+        outage.succeeded()
+        return report
 
     def add_beat_entry(*args: Any, **kwargs: Any) -> None:
         # Runs in every process once the app is configured: never fails on a
         # worker-only setting (beat_init below reports it in beat itself).
         config = client_config(app)
-        if config.beat_schedule and not config.worker_errors:
+        if beat_entry_wanted(config) and not config.worker_errors:
             app.add_periodic_task(config.recovery_interval, app.signature(RECOVER_TASK_NAME),
                                   name=RECOVER_TASK_NAME)
 
@@ -79,6 +93,14 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     beat_init.connect(check_beat, weak=False)
     app._celery_leases_installed = True
     return app
+
+
+def beat_entry_wanted(config: LeaseConfig) -> bool:
+    """``leases_beat_schedule``: True or False as set; unset (None), only when the workers
+    run no fallback recovery: two recoverers each interval would only log that one skipped."""
+    if config.beat_schedule is None:
+        return not config.worker_recovery
+    return bool(config.beat_schedule)
 
 
 def store(app: Any) -> LeaseStore:

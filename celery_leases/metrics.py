@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
         "celery_leases.metrics needs the prometheus-client package: "
         "pip install 'celery-leases[prometheus]'") from exc
 
-from .signals import (delivery_parked, lease_acquired, lease_dead, lease_lost, lease_recovered,
+from .signals import (callbacks_failed, delivery_parked, lease_acquired, lease_dead, lease_lost, lease_recovered,
                       leases_renewed, stale_outcome_rejected)
 
 __all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS"]
@@ -58,17 +58,20 @@ class LeaseMetrics:
         self.refused = C("refused", "Outcomes of stale owners refused, by outcome.", ["outcome"], **kw)
         self.parked = C("parked", "Deliveries parked instead of run (a corrupt record, a malformed "
                         "message), by the field that was corrupt.", ["field"], **kw)
+        self.callbacks_failed = C("callbacks_failed", "Link callbacks and next chain steps of an "
+                                  "accepted success not sent after every try.", **kw)
         self.time_to_recovery = H(
             "time_to_recovery_seconds", "From the last owner's acquisition of the lease to its "
             "re-publication by a recovery pass.", buckets=TIME_TO_RECOVERY_BUCKETS, **kw)
         self._collectors = [self.acquired, self.renewed, self.lost, self.recovered, self.dead,
-                            self.refused, self.parked, self.time_to_recovery]
+                            self.refused, self.parked, self.time_to_recovery, self.callbacks_failed]
         self._registry = registry
         self._receivers = [
             (lease_acquired, self._on_acquired), (leases_renewed, self._on_renewed),
             (lease_lost, self._on_lost), (lease_recovered, self._on_recovered),
             (lease_dead, self._on_dead), (stale_outcome_rejected, self._on_refused),
             (delivery_parked, self._on_parked),
+            (callbacks_failed, self._on_callback_failed),
         ]
         for signal, receiver in self._receivers:
             signal.connect(receiver, weak=False)
@@ -119,6 +122,10 @@ class LeaseMetrics:
         if self._ours(sender):
             self.refused.labels(outcome=outcome or "unknown").inc()
 
+    def _on_callback_failed(self, sender: Any = None, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.callbacks_failed.inc()
+
 
     def _on_parked(self, sender: Any = None, field: str = "", **kwargs: Any) -> None:
         if self._ours(sender):
@@ -133,8 +140,8 @@ def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celer
     the same app returns the metrics already enabled. Metric names:
     ``<namespace>_acquired_total{taken_over}``, ``_renewed_total``,
     ``_lost_total{reason}``, ``_recovered_total``, ``_dead_total``,
-    ``_refused_total{outcome}``, ``_parked_total{field}``, ``_time_to_recovery_seconds``
-    (histogram).
+    ``_refused_total{outcome}``, ``_parked_total{field}``, ``_callbacks_failed_total``,
+    ``_time_to_recovery_seconds`` (histogram).
     """
     with _lock:
         metrics = _enabled.get(app)

@@ -151,6 +151,19 @@ class LeasedRequest(Request):
 
     # -- Celery callbacks (main process) ---------------------------------------
 
+    def on_accepted(self, pid: Any, time_accepted: float) -> Any:
+        """The pool started the task: queue its start mark, so that from now on the
+        death of this worker counts a recovery against it (and not before: a task
+        only prefetched is not charged for the death of its worker). Prefork calls
+        this in the main process once the child took the job; threads and solo in
+        the thread about to run the body."""
+        token = self.lease_token
+        if token is not None:
+            worker = get_worker(self._app)
+            if worker is not None:
+                worker.started(self.id, token)
+        return super().on_accepted(pid, time_accepted)
+
     def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
         try:
             return super().on_success(failed__retval__runtime, **kwargs)

@@ -18,6 +18,7 @@ SCRIPT_NAMES = (
     "release", "progress", "expired", "fenced_write", "complete_step", "purge",
     "park", "unpark",
     "revoke",
+    "mark_started",
 )
 
 

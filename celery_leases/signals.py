@@ -30,3 +30,8 @@ leases_renewed = Signal(name="leases_renewed", providing_args={"owner", "renewed
 #: corrupt record or a malformed message. ``sender`` is the task (or the app when
 #: the task is unknown); ``key`` and ``field`` name what was corrupt ('' when not a key).
 delivery_parked = Signal(name="delivery_parked", providing_args={"task_id", "reason", "key", "field"})
+
+#: Sent in the process that ran a task whose success was accepted but whose link
+#: callback or next chain step could not be published after every retry:
+#: ``callback`` names it, ``error`` is the last error (the success stays stored).
+callbacks_failed = Signal(name="callbacks_failed", providing_args={"task_id", "callback", "error"})

@@ -31,7 +31,7 @@ logger = logging.getLogger("celery_leases.store")
 
 _INT_FIELDS = ("token", "ttl", "generation", "recoveries", "attempt",
                "progress_timeout", "progress_deadline", "acquired_at", "finished_at",
-               "revoke_requested")
+               "revoke_requested", "unstarted_recoveries")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,11 @@ class LeaseRecord:
     #: (token, owner, acquired_at) of the last owners, oldest first.
     history: tuple = ()
     has_message: bool = False
+    #: False while the owner has not reported that the body started (mark_started):
+    #: its death then counts no recovery, only an unstarted one.
+    started: bool = True
+    #: Recoveries of the lease while it was never marked started (bounded separately).
+    unstarted_recoveries: int = 0
 
     @classmethod
     def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0,
@@ -91,7 +96,7 @@ class LeaseRecord:
         return cls(task_id=task_id, state=state, owner=(data.get("owner") or b"").decode(),
                    deadline=deadline,
                    name=(data.get("name") or b"").decode(), history=tuple(history),
-                   has_message=has_message, **values)
+                   has_message=has_message, started=data.get("started") != b"0", **values)
 
 
 @dataclass(frozen=True)
@@ -541,6 +546,21 @@ class LeaseStore:
                              task_id.decode(), self.keys.record(task_id.decode()), what.decode())
         return released
 
+    def mark_started(self, owner: str, leases: Mapping[str, int]) -> int:
+        """Record that the bodies of these leases started running; returns how many were marked.
+
+        Only a started lease counts a recovery when its owner dies: prefetched
+        tasks of a dead worker are not charged for its death (mark_started.lua).
+        """
+        if not leases:
+            return 0
+        calls = []
+        for index, task_ids in self._by_shard(leases).items():
+            calls.append(([self.keys.shard(index).stats, *(self.keys.record(t) for t in task_ids)],
+                          [owner, *(int(leases[t]) for t in task_ids)]))
+        return sum(int(n) for n in self._run_many(scripts.mark_started, calls,
+                                                  f"start marks of {len(leases)} leases of {owner}"))
+
     def claim_expired(self, limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
         """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua).
 
@@ -975,7 +995,7 @@ class LeaseStore:
         if not task_ids:
             return []
         keys = [self.keys.record(t) for t in task_ids]
-        fields = ("state", "owner", "name", *_INT_FIELDS, *(f"h:{n}" for n in range(16)))
+        fields = ("state", "owner", "name", "started", *_INT_FIELDS, *(f"h:{n}" for n in range(16)))
 
         def read() -> list:
             pipe = self.client.pipeline(transaction=False)

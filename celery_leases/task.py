@@ -18,13 +18,15 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
+from .callbacks import send_callbacks
+from .codes import Code
 from .config import client_config, get_config, task_option_errors
 from .exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
 from .results import fused_write, mark_stored
 from .runtime import get_store, get_worker
 from .settle import settle_finish
-from .signals import stale_outcome_rejected
+from .signals import delivery_refused, stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.task")
 
@@ -33,7 +35,7 @@ logger = logging.getLogger("celery_leases.task")
 # (Celery 5.7's push_request copies the request's __dict__ into a new Context,
 # whose custom headers are every key Context does not declare).
 for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable",
-              "_lease_handle"):
+              "_lease_handle", "lease_expires_at"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
 
@@ -130,6 +132,7 @@ class LeasedTask(Task):
             # Run by a worker, yet no lease was taken at receipt: fail, never run unguarded.
             raise self._unleased_error(request)
         lease = self.lease
+        self._check_before_start(lease)
         try:
             retval = super().__call__(*args, **kwargs)
         except Retry:
@@ -155,6 +158,8 @@ class LeasedTask(Task):
         self._finish(lease, "succeeded", write=write)
         if write is not None:
             mark_stored(request)
+        if request.callbacks or request.chain:
+            send_callbacks(self, request, retval)
         return retval
 
     def _unleased_error(self, request: Any) -> ConfigurationError:
@@ -170,6 +175,49 @@ class LeasedTask(Task):
             except ConfigurationError as exc:
                 why = str(exc)
         return ConfigurationError(f"task {self.name}[{request.id}] not run: {why}")
+
+    def _check_before_start(self, lease: Lease) -> None:
+        """Never start a body on a lease known lost, or one that may have expired unrenewed.
+
+        A request can wait long between its acquire at receipt and its start
+        (prefetched behind long tasks, or in a worker paused meanwhile); its
+        lease may have been recovered and its task finished elsewhere. Cheap:
+        the heartbeat's knowledge in this process (threads, solo), else the
+        monotonic deadline the acquire gave; the store is asked only when that
+        deadline passed (one round trip for a request held past its ttl).
+        """
+        request = self.request
+        now = time.monotonic()
+        worker = get_worker(self.app)
+        if worker is not None:
+            until = worker.live_until(lease.task_id, lease.token)
+            if until is None:
+                self._not_started(lease, "the heartbeat found it lost")
+            if until > now:
+                return
+        else:
+            expires = request.lease_expires_at
+            if expires is None or expires > now:
+                return
+        try:
+            lease.store.check(lease.task_id, lease.owner, lease.token)
+        except LeaseLost as exc:
+            self._not_started(lease, f"lost while the task waited to start ({exc.reason})")
+        except LeaseError as exc:
+            # Unverifiable (store unreachable, record unreadable), and possibly expired:
+            # fail closed. The lease is no longer renewed, so recovery re-runs the
+            # task once its deadline passes.
+            if worker is not None:
+                worker.forget(lease.task_id, lease.token)
+            self._not_started(lease, f"not verifiable after its deadline passed ({exc})")
+
+    def _not_started(self, lease: Lease, reason: str) -> None:
+        lease._lost = True
+        logger.warning("task %s[%s]: body not started: lease (token %s) %s",
+                       self.name, lease.task_id, lease.token, reason)
+        delivery_refused.send(sender=self, task_id=lease.task_id, reason=reason, code=Code.LOST,
+                              token=lease.token)
+        raise StaleOutcome(f"task {lease.task_id} (token {lease.token}) not started: lease {reason}")
 
     def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,
                 retry_grace: float | None = None, write: Any = None) -> None:

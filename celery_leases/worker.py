@@ -16,6 +16,7 @@ import os
 import signal as _signal
 import socket
 import threading
+import time
 import uuid
 from functools import cached_property
 from typing import Any
@@ -35,6 +36,7 @@ from .heartbeat import Heartbeat, Held
 from .receipt import (REQUEUES_HEADER, DeliveryWindow, Throttled, describe, eta_after,
                       requeue_delay, usable_id, validate_message)
 from .revokes import HeldRevokes, gate_backend, install_control_hook
+from .outage import Outage
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .clock import server_clock
@@ -90,6 +92,7 @@ class LeaseWorker:
         self._stop = threading.Event()
         self._recovery_thread: threading.Thread | None = None
         self.recovery_passes = 0
+        self.recovery_outage = Outage(logger, "celery-leases: fallback recovery pass")
 
     # -- lifecycle --------------------------------------------------------
 
@@ -132,10 +135,16 @@ class LeaseWorker:
         if self.acquirer is not None:
             self.acquirer.stop()
         with self.heartbeat.lock:
-            leases = {task_id: h.token for task_id, h in self.heartbeat.held.items() if not h.lost}
-        if leases:
+            held = [(task_id, h) for task_id, h in self.heartbeat.held.items() if not h.lost]
+        # Leases whose task never started are released unstarted whatever the caller
+        # says: their next owner must not count a recovery for them.
+        groups = {True: {t: h.token for t, h in held if unstarted or not h.started},
+                  False: {t: h.token for t, h in held if not unstarted and h.started}}
+        for flag, leases in groups.items():
+            if not leases:
+                continue
             try:
-                n = self.store.release(self.owner, leases, unstarted=unstarted)
+                n = self.store.release(self.owner, leases, unstarted=flag)
                 logger.info("celery-leases: released %d lease(s) at shutdown", n)
             except LeaseError as exc:
                 logger.error("celery-leases: could not release %d lease(s) at shutdown; they will "
@@ -192,6 +201,8 @@ class LeaseWorker:
 
     def _acquire_call(self, request: Any, config: LeaseConfig) -> dict:
         message, request_dict = request.message, request.request_dict
+        # Taken before the acquire is sent, so at most the server's deadline minus the ttl.
+        request._lease_asked_at = time.monotonic()
         return dict(task_id=request.id, owner=self.owner, ttl=config.ttl,
                     generation=int((message.headers or {}).get("lease_generation") or 0),
                     attempt=int(request_dict.get("retries") or 0),
@@ -263,7 +274,7 @@ class LeaseWorker:
                             "released for recovery", request.name, request.id, exc, exc_info=True)
             token = request.request_dict.get("lease_token")
             if token is not None:
-                self.release({request.id: token})
+                self.release({request.id: token}, unstarted=True)
 
     def _acquire_failed(self, request: Any, exc: BaseException, due: bool) -> None:
         """The one rule for errors at receipt: transient -> later, with backoff; anything else -> parked."""
@@ -343,8 +354,14 @@ class LeaseWorker:
             request_dict["lease_token"] = acq.token
             request_dict["lease_owner"] = self.owner
             request_dict["lease_generation"] = acq.generation
+            # Until then the lease lives whatever happens to this worker; a body that
+            # starts later checks it first (LeasedTask.__call__): the worker may have
+            # been paused meanwhile, and its lease taken over.
+            live_until = request.__dict__.get("_lease_asked_at", time.monotonic()) + config.ttl
+            request_dict["lease_expires_at"] = live_until
             self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
-                                                ttl=config.ttl, progress=bool(config.progress_timeout)))
+                                                ttl=config.ttl, progress=bool(config.progress_timeout),
+                                                live_until=live_until))
             lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
                                 taken_over=acq.code is Code.TAKEN_OVER)
             requeues = (message.headers or {}).get(REQUEUES_HEADER)
@@ -427,6 +444,14 @@ class LeaseWorker:
 
     def is_lost(self, task_id: str, token: int) -> bool:
         return self.heartbeat.is_lost(task_id, token)
+
+    def started(self, task_id: str, token: int) -> None:
+        """The pool started the task: its lease now counts a recovery if this worker dies."""
+        self.heartbeat.started(task_id, token)
+
+    def live_until(self, task_id: str, token: int) -> float | None:
+        """Monotonic time until which the lease is known to live (None: lost or not held)."""
+        return self.heartbeat.live_until(task_id, token)
 
     def release_dropped(self) -> int:
         """Release the leases of requests the consumer dropped without running them.
@@ -605,10 +630,14 @@ class LeaseWorker:
                 if self.store.try_recovery_turn(self.owner, interval * 0.9):
                     report = self.store.recover()
                     self.recovery_passes += 1
-                    if report.recovered or report.dead:
-                        logger.info("celery-leases: recovery pass: %s", report.as_dict())
-            except Exception:  # noqa: BLE001 - logged; the next interval tries again
-                logger.exception("celery-leases: fallback recovery pass failed; retrying next interval")
+                    # Quiet when healthy: a pass that did nothing logs at DEBUG.
+                    level = logging.INFO if report.recovered or report.dead else logging.DEBUG
+                    logger.log(level, "celery-leases: recovery pass: %s", report.as_dict())
+                else:
+                    logger.debug("celery-leases: recovery pass skipped: another recoverer ran one")
+                self.recovery_outage.succeeded()
+            except Exception as exc:  # noqa: BLE001 - logged once per outage; the next interval tries again
+                self.recovery_outage.failed(exc)
 
 
 class _ParkLater:

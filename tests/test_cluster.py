@@ -142,6 +142,8 @@ def test_store_main_paths_across_shards_on_three_masters(client):
         acq = store.acquire(t, "w1", body=b"body-" + t.encode(), envelope={"id": t}, name="job")
         assert acq.code is Code.ACQUIRED
         tokens[t] = acq.token
+    # mark_started: one call per shard (the bodies run, so their deaths count recoveries)
+    assert store.mark_started("w1", tokens) == len(ids)
     # renew_many: one call per shard, all renewed, deadlines pushed on every shard, even when the
     # masters lost their script cache (as after a restart or failover: NOSCRIPT, then the full source)
     before = {t: store.get(t).deadline for t in ids}

@@ -221,13 +221,26 @@ def test_all_tasks_makes_later_tasks_leased():
     assert "celery_leases.recover" in app.tasks
 
 
-def test_beat_entry_is_added_with_the_recovery_interval():
+@pytest.mark.parametrize("settings", [{"leases_worker_recovery": False}, {"leases_beat_schedule": True}])
+def test_beat_entry_is_added_with_the_recovery_interval(settings):
+    # Given workers without fallback recovery, or the beat entry asked for
     app = Celery("beat", broker="redis://127.0.0.1:1/0")
     celery_leases.install(app)       # before configuration is read
-    app.conf.update(leases_recovery_interval=2.5)
+    app.conf.update(leases_recovery_interval=2.5, **settings)
     app.loader.import_default_modules()
     entry = app.conf.beat_schedule["celery_leases.recover"]
     assert entry["task"] == "celery_leases.recover" and entry["schedule"] == 2.5
+
+
+@pytest.mark.parametrize("settings", [{}, {"leases_beat_schedule": False, "leases_worker_recovery": False}])
+def test_no_beat_entry_while_workers_recover_by_default(settings):
+    # Given the defaults (the workers run the fallback recovery), or the entry refused
+    app = Celery("beat", broker="redis://127.0.0.1:1/0")
+    celery_leases.install(app)
+    app.conf.update(**settings)
+    app.loader.import_default_modules()
+    # Then beat sends no recover task: one recoverer per interval, nothing logged for a skip
+    assert "celery_leases.recover" not in (app.conf.beat_schedule or {})
 
 
 def test_eager_mode_runs_without_a_lease_and_warns_once_per_process(caplog, monkeypatch):

@@ -49,6 +49,8 @@ def test_each_signal_moves_its_counter(client_app, registry, metrics):
     celery_leases.stale_outcome_rejected.send(sender=task, task_id="t", token=1,
                                               outcome="succeeded", reason="lost")
     celery_leases.delivery_parked.send(sender=task, task_id="t", reason="corrupt", key="k", field="token")
+    celery_leases.callbacks_failed.send(sender=task, task_id="t", callback="link callback x",
+                                        error=OSError("down"))
 
     # Then each counter moved by what the signal reported
     assert value(registry, "acquired_total", taken_over="false") == 1
@@ -58,6 +60,7 @@ def test_each_signal_moves_its_counter(client_app, registry, metrics):
     assert value(registry, "recovered_total") == 1
     assert value(registry, "dead_total") == 1
     assert value(registry, "refused_total", outcome="succeeded") == 1
+    assert value(registry, "callbacks_failed_total") == 1
     assert value(registry, "time_to_recovery_seconds_count") == 1
     assert value(registry, "parked_total", field="token") == 1
     assert value(registry, "time_to_recovery_seconds_sum") == 7.5

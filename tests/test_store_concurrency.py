@@ -85,6 +85,8 @@ def test_racing_take_overs_of_an_expired_lease_have_exactly_one_winner(
                        max_recoveries=3)
     dead_tokens = [setup.acquire(f"task-{r}", "dead-worker", ttl=SHORT).token
                    for r in range(tasks)]
+    # (their bodies were running: the worker's start marks reached the store)
+    setup.mark_started("dead-worker", {f"task-{r}": token for r, token in enumerate(dead_tokens)})
     time.sleep(SHORT + MARGIN)
     barrier = threading.Barrier(THREADS)
     results: list[list] = [[None] * THREADS for _ in range(tasks)]
@@ -121,7 +123,8 @@ def test_concurrent_recovery_passes_claim_each_expired_lease_once(
     leases = 1000
     setup = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix)
     for n in range(leases):
-        setup.acquire(f"task-{n}", f"worker-{n % 7}", ttl=SHORT, body=b"body")
+        acq = setup.acquire(f"task-{n}", f"worker-{n % 7}", ttl=SHORT, body=b"body")
+        setup.mark_started(f"worker-{n % 7}", {f"task-{n}": acq.token})  # they were running
     time.sleep(SHORT + MARGIN)
     published: Counter = Counter()
     lock = threading.Lock()

@@ -60,11 +60,15 @@ def wait_out(ttl: float = SHORT) -> None:
     time.sleep(ttl + MARGIN)
 
 
-def acquire(store: LeaseStore, task_id: str, owner: str = A, **kwargs):
+def acquire(store: LeaseStore, task_id: str, owner: str = A, *, started: bool = True, **kwargs):
+    """Acquire, and (``started``) send the start mark the worker sends when the body starts."""
     kwargs.setdefault("name", "proj.add")
     kwargs.setdefault("body", BODY)
     kwargs.setdefault("envelope", ENVELOPE)
-    return store.acquire(task_id, owner, **kwargs)
+    acq = store.acquire(task_id, owner, **kwargs)
+    if started and acq.owned:
+        assert store.mark_started(owner, {task_id: acq.token}) == 1
+    return acq
 
 
 def fields(store: LeaseStore, task_id: str) -> dict:
@@ -730,6 +734,87 @@ def test_leases_released_unstarted_count_no_recovery(make_store):
     # Then neither counts a recovery, and the used-up task is not dead
     assert (took.code, took.recoveries) == (Code.TAKEN_OVER, 1)
     assert (claim.task_id, claim.code, claim.recoveries) == ("fresh", Code.RECOVERED, 0)
+
+
+def test_only_leases_marked_started_count_a_recovery(make_store):
+    # Given a dead worker A held two leases: one whose body had started (its start
+    # mark is in), one it had only prefetched (never marked)
+    store = make_store(max_recoveries=3)
+    ran = acquire(store, "ran", A, ttl=SHORT)
+    acquire(store, "prefetched", A, ttl=SHORT, started=False)
+    acquire(store, "restored", A, ttl=SHORT, started=False)
+    assert (store.get("ran").started, store.get("prefetched").started) == (True, False)
+    wait_out()
+
+    # When a recovery pass claims two of them and a restored copy takes the third over
+    claims = {c.task_id: c for c in store.claim_expired(ids=["ran", "prefetched"])}
+    took = acquire(store, "restored", B, started=False)
+
+    # Then only the started one counts a recovery; the others count an unstarted one
+    assert claims["ran"].recoveries == 1 and claims["prefetched"].recoveries == 0
+    assert (took.code, took.recoveries) == (Code.TAKEN_OVER, 0)
+    assert store.get("prefetched").unstarted_recoveries == 1
+    assert store.get("restored").unstarted_recoveries == 1
+    assert store.get("ran").unstarted_recoveries == 0 and ran.recoveries == 0
+
+
+def test_unstarted_recoveries_have_a_bound_of_their_own(make_store):
+    # Given a task whose start mark never reaches the store (a body that kills its
+    # worker at once), with max_recoveries 1: unstarted_limit is 4 * (1 + 1) = 8
+    store = make_store(max_recoveries=1)
+    limit = 4 * (1 + 1)
+    generation = 0
+    codes = []
+    # When its worker dies again and again, each recovered copy acquired, never marked
+    for _ in range(limit + 1):
+        acq = acquire(store, "pill", A, ttl=SHORT, generation=generation, started=False)
+        assert acq.owned
+        wait_out()
+        (claim,) = store.claim_expired(ids=["pill"])
+        codes.append(claim.code)
+        generation = claim.generation
+        if claim.code is Code.DEAD:
+            break
+        store.mark_published([claim])
+
+    # Then it is recovered `limit` times, never counted as a recovery, then dead:
+    # bounded, though larger than max_recoveries
+    assert codes == [Code.RECOVERED] * limit + [Code.DEAD]
+    assert store.get("pill").state == "dead" and store.get("pill").recoveries == 0
+    # And the dead claim counts every abandonment (LeaseExpired names it)
+    assert claim.recoveries == limit + 1
+
+
+def test_an_unmarked_take_over_past_the_unstarted_bound_makes_the_task_dead(make_store):
+    # Given a lease acquired, then taken over unmarked as often as the unstarted
+    # bound allows (max_recoveries 0: 4 times)
+    store = make_store(max_recoveries=0)
+    for owner in [A, B, A, B, A]:
+        acq = acquire(store, "pill", owner, ttl=SHORT, started=False, max_recoveries=0)
+        assert acq.owned
+        wait_out()
+    # When one more delivery finds it expired
+    last = acquire(store, "pill", C, started=False, max_recoveries=0)
+    # Then the task is dead
+    assert last.code is Code.DEAD and store.get("pill").state == "dead"
+
+
+def test_mark_started_marks_only_the_callers_live_lease(store):
+    # Given A holds t1, B held t2 once, t3 is finished
+    t1 = acquire(store, "t1", A, started=False)
+    t2 = acquire(store, "t2", B, started=False)
+    t3 = acquire(store, "t3", A, started=False)
+    store.finish("t3", A, t3.token, "succeeded")
+
+    # When A marks t1 with a wrong token, t2 (not its own), t3 (finished) and an unknown id
+    marked = store.mark_started(A, {"t1": t1.token + 1, "t2": t2.token, "t3": t3.token, "t4": 1})
+
+    # Then nothing is marked, and no record is created
+    assert marked == 0
+    assert not store.get("t1").started and not store.get("t2").started
+    assert store.get("t4") is None
+    # And A's own mark on t1 lands
+    assert store.mark_started(A, {"t1": t1.token}) == 1 and store.get("t1").started
 
 
 def test_release_of_leases_the_caller_does_not_own_does_nothing(store):

@@ -21,6 +21,7 @@
                              depend on first, then write.
   count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
                              reason to refuse a task (the stats reads report it)
+  unstarted_limit(max)       recoveries allowed to a lease never marked started
 ]]
 local CORRUPT = 14
 local function now_ms()
@@ -126,4 +127,14 @@ local function count(stats, field, n)
       or string.find(reply.err, 'not an integer', 1, true)) then
     error(reply) -- READONLY (a failover) and the like: the server's own error, not a corrupt counter
   end
+end
+
+local function unstarted_limit(max_recoveries)
+  -- A lease never marked started (mark_started.lua) costs its task no recovery
+  -- when its worker dies: the task had probably only been prefetched. But its
+  -- start mark may have died with the worker (a body that kills its worker in
+  -- its first milliseconds), so these recoveries have a bound of their own,
+  -- larger than max_recoveries: prefetched innocents outlive a poison pill's
+  -- max_recoveries + 1 worker deaths, and nothing is recovered without end.
+  return 4 * (max_recoveries + 1)
 end

@@ -5,7 +5,8 @@
   recovered copy (its generation equals the record's while recovering), when it
   is a later retry attempt than the record's, or when the previous owner's lease
   has expired and no recovery has claimed it yet (a take-over, counted as a
-  recovery unless the lease was released unstarted). Older copies of the message are stale.
+  recovery only if its body had started, see mark_started.lua; an unstarted one
+  is bounded by unstarted_limit). Older copies of the message are stale.
   A task revoked while an owner ran it (revoke.lua left revoke_requested) is never run
   again: the delivery that would have been the next owner ends the lease revoked.
 
@@ -57,8 +58,9 @@ end
 
 -- Everything this script depends on is read and validated before anything is written.
 local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
-                            'revoke_requested'},
-                      {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested'}, {'token'})
+                            'revoke_requested', 'started', 'unstarted_recoveries'},
+                      {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested',
+                       'unstarted_recoveries'}, {'token'})
 if bad then return bad end
 -- The deadline read doubles as the index's type check.
 local indexed = redis.pcall('ZSCORE', deadlines, task_id)
@@ -84,6 +86,7 @@ local token = num(rec, key, 'token')
 local generation = num(rec, key, 'generation')
 local recoveries = num(rec, key, 'recoveries')
 local attempt = num(rec, key, 'attempt')
+local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
 
 local code = 1 -- ACQUIRED
 if reassert and reassert > 0 then
@@ -123,9 +126,13 @@ elseif state then
       return {3, token, generation, recoveries, state}
     end
     -- The owner stopped renewing and no recovery has claimed the lease yet.
+    -- As in claim_expired: only a lease whose body started counts a recovery.
+    local unmarked = rec.unstarted ~= '1' and rec.started == '0'
+    if unmarked then unstarted_recoveries = unstarted_recoveries + 1 end
     if rec.unstarted == '1' then
       code = 2
-    elseif recoveries >= max_recoveries then
+    elseif (unmarked and unstarted_recoveries > unstarted_limit(max_recoveries))
+        or (not unmarked and recoveries >= max_recoveries) then
       redis.call('HSET', key, 'state', 'dead', 'finished_at', now, 'owner', '')
       redis.call('HDEL', key, 'holder')
       redis.call('DEL', message)
@@ -133,6 +140,8 @@ elseif state then
       redis.call('PEXPIRE', key, tonumber(ARGV[11]))
       count(stats, 'dead', 1)
       return {6, token, generation, recoveries, 'dead'}
+    elseif unmarked then
+      code = 2
     else
       recoveries = recoveries + 1
       code = 2 -- TAKEN_OVER
@@ -171,6 +180,10 @@ else
 end
 if msg_gen > generation then generation = msg_gen end
 
+-- Not started until the worker says so (mark_started.lua): a prefetched task
+-- waits here. A re-asserted lease was already running.
+local started = '0'
+if reassert and reassert > 0 then started = '1' end
 local tok = string.format('%d', new_token)
 local deadline = now + ttl
 local progress_deadline = 0
@@ -181,6 +194,7 @@ local fields = {
   'recoveries', recoveries, 'attempt', msg_attempt,
   'progress_timeout', progress_timeout, 'progress_deadline', progress_deadline,
   'acquired_at', now, 'name', ARGV[8], 'unstarted', '0', 'max_recoveries', max_recoveries,
+  'started', started, 'unstarted_recoveries', unstarted_recoveries,
   history_fields(key, num(rec, key, 'hn'), tok .. '@' .. owner .. '@' .. string.format('%d', now))}
 redis.call('HSET', key, unpack(fields))
 if ARGV[9] ~= '' then

@@ -7,7 +7,10 @@
   recoverer a grace period to publish; if it never confirms (mark_published),
   the next pass claims the lease again without counting another recovery
   (nor does a lease released unstarted at a warm shutdown count one).
-  Past max recoveries the task becomes dead instead.
+  Only a lease whose body started (mark_started) counts a recovery; one
+  never marked started counts an unstarted recovery instead, bounded by
+  unstarted_limit(max recoveries) (the prelude). Past either bound the task
+  becomes dead instead.
 
   Input:
     KEYS[1] deadlines sorted set
@@ -21,7 +24,8 @@
   Output: list of {task id, code, generation, recoveries, name, body, envelope},
   or {CORRUPT, key, field, detail} when the deadline index is not a sorted set
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
-    DEAD       past max recoveries: the record is now dead. The caller stores the failure
+    DEAD       past max recoveries (or the unstarted bound: recoveries then counts the
+               unstarted ones too): the record is now dead. The caller stores the failure
                (and may dead-letter the body), then confirms with mark_published; an
                unconfirmed dead record is handed out again after the publish grace
     CORRUPT    the record or its message hash is not what this protocol wrote: the row is
@@ -35,8 +39,9 @@ local max_recoveries, grace, retention = tonumber(ARGV[1]), tonumber(ARGV[2]), t
 local now = now_ms()
 local out = {}
 local recovered, dead = 0, 0
-local fields = {'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries', 'token'}
-local numeric = {'generation', 'recoveries', 'max_recoveries', 'token'}
+local fields = {'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries', 'token',
+                'started', 'unstarted_recoveries'}
+local numeric = {'generation', 'recoveries', 'max_recoveries', 'token', 'unstarted_recoveries'}
 
 for i = 1, (#KEYS - 2) / 2 do
   local key, message, task_id = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[3 + i]
@@ -72,21 +77,31 @@ for i = 1, (#KEYS - 2) / 2 do
       local generation = num(rec, key, 'generation') + 1
       local recoveries = num(rec, key, 'recoveries')
       local body = redis.call('HMGET', message, 'body', 'envelope')
-      local counted = state == 'active' and rec.unstarted ~= '1'
+      -- Counted: the owner died (or stalled) while the body ran. Not counted: it was
+      -- released unstarted by a live worker, or never marked started (prefetched,
+      -- as far as the store knows: bounded by unstarted_limit instead).
       local limit = max_recoveries
       if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
-      if counted and recoveries >= limit then
+      local released_unstarted = rec.unstarted == '1'
+      local unmarked = state == 'active' and not released_unstarted and rec.started == '0'
+      local counted = state == 'active' and not released_unstarted and not unmarked
+      local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
+      if unmarked then unstarted_recoveries = unstarted_recoveries + 1 end
+      if (counted and recoveries >= limit) or unstarted_recoveries > unstarted_limit(limit) then
         -- Dead; the message stays until the caller confirms its notice
         -- (mark_published), and the index entry brings it back if it never does.
         redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
         redis.call('HDEL', key, 'holder')
         redis.call('ZADD', deadlines, now + grace, task_id)
         dead = dead + 1
-        table.insert(out, {task_id, 6, generation - 1, recoveries, rec.name or '', body[1] or '', body[2] or ''})
+        -- Past the unstarted bound, report every abandonment (LeaseExpired names the count).
+        local abandoned = recoveries
+        if not counted then abandoned = recoveries + unstarted_recoveries end
+        table.insert(out, {task_id, 6, generation - 1, abandoned, rec.name or '', body[1] or '', body[2] or ''})
       else
         if counted then recoveries = recoveries + 1 end
         redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
-                   'recoveries', recoveries, 'attempt', 0)
+                   'recoveries', recoveries, 'attempt', 0, 'unstarted_recoveries', unstarted_recoveries)
         redis.call('HDEL', key, 'holder')
         redis.call('ZADD', deadlines, now + grace, task_id)
         recovered = recovered + 1

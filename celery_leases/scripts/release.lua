@@ -7,7 +7,8 @@
     KEYS[2..n] record hash of each lease, in the order of the pairs below
     ARGV[1] owner (worker instance id)
     ARGV[2] 1 when the leases never started running (warm shutdown): the next
-            owner then does not count a recovery; 0 otherwise
+            owner then does not count a recovery; 0 when they were running (a
+            pool child died): marked started, so the next owner counts one
     ARGV[2k+1], ARGV[2k+2] task id and token of the record KEYS[k+1]
 
   Output: {OK, released, task id, what is corrupt, task id, what is corrupt, ...}, or
@@ -30,7 +31,11 @@ for k = 2, #KEYS do
     -- Ownership cannot be checked on a corrupt record: left alone, reported.
     table.insert(skipped, task_id); table.insert(skipped, bad_record[3] .. ' ' .. bad_record[4])
   elseif rec.state == 'active' and num(rec, key, 'token') == token and rec.owner == owner then
-    redis.call('HSET', key, 'owner', '', 'unstarted', unstarted)
+    if unstarted == '1' then
+      redis.call('HSET', key, 'owner', '', 'unstarted', '1')
+    else
+      redis.call('HSET', key, 'owner', '', 'unstarted', '0', 'started', '1')
+    end
     redis.call('HDEL', key, 'holder')
     redis.call('ZADD', deadlines, now, task_id)
     released = released + 1
