@@ -44,12 +44,11 @@ def send_callbacks(task: Any, request: Any, retval: Any, *, sleep: Callable[[flo
         priority = (request.delivery_info or {}).get("priority")
     options = dict(parent_id=request.id, root_id=request.root_id or request.id, priority=priority)
     # Celery 5.7 waits between its publish retries for callbacks (amqp._retry_publish).
-    publish = getattr(app.amqp, "_retry_publish", None) or (lambda fn, *a, **kw: fn(*a, **kw))
+    publish = getattr(app.amqp, "_retry_publish", None) or _call
     sends: list[tuple[str, Callable[[], Any]]] = []
     for raw in callbacks:
         sig = signature(raw, app=app)
-        sends.append((f"link callback {_name(sig)}",
-                      lambda sig=sig: publish(sig.apply_async, (retval,), **options)))
+        sends.append((f"link callback {_name(sig)}", _sender(publish, sig, retval, options)))
     if chain:
         step = signature(chain[-1], app=app)
         rest = chain[:-1]
@@ -99,3 +98,12 @@ def _name(sig: Any) -> str:
         return f"{sig.task}" + (f"[{sig.id}]" if sig.id else "")
     except Exception:  # noqa: BLE001 - a name for a log line only
         return repr(sig)
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _sender(publish: Callable[..., Any], sig: Any, retval: Any, options: dict) -> Callable[[], Any]:
+    """One link callback's send, bound to its own signature."""
+    return lambda: publish(sig.apply_async, (retval,), **options)

@@ -157,6 +157,13 @@ class LeasedRequest(Request):
         only prefetched is not charged for the death of its worker). Prefork calls
         this in the main process once the child took the job; threads and solo in
         the thread about to run the body."""
+        if self.id in revoked_tasks and pid == os.getpid() and getattr(self.task, "leased", False):
+            # An in-process pool (threads) starts queued work without asking whether it
+            # was revoked meanwhile (Celery's own check ran when it was queued): no body,
+            # and no start mark.
+            self._request_dict["lease_skip"] = "revoked before it started"
+            self._terminate_on_ack = None
+            return super().on_accepted(pid, time_accepted)
         token = self.lease_token
         if token is not None:
             worker = get_worker(self._app)
@@ -250,15 +257,8 @@ class LeasedRequest(Request):
                 worker.revoke(self.id, name=self.name)
                 raise
             # Handed to an in-process pool, not started: the gate revoked its lease when
-            # Celery stored REVOKED, and on_accepted below keeps the body from running.
+            # Celery stored REVOKED, and on_accepted keeps the body from running.
             logger.info("task %s[%s]: revoked before it started; the %s pool cannot terminate, "
                         "its body will not run", self.name, self.id, type(pool).__module__)
             return None
 
-    def on_accepted(self, pid: int, time_accepted: float) -> Any:
-        # An in-process pool (threads) starts queued work without asking whether it was
-        # revoked meanwhile; Celery's own check ran when it was queued.
-        if self.id in revoked_tasks and pid == os.getpid() and getattr(self.task, "leased", False):
-            self._request_dict["lease_skip"] = "revoked before it started"
-            self._terminate_on_ack = None
-        return super().on_accepted(pid, time_accepted)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.app.task import Context
@@ -211,7 +211,7 @@ class LeasedTask(Task):
                 worker.forget(lease.task_id, lease.token)
             self._not_started(lease, f"not verifiable after its deadline passed ({exc})")
 
-    def _not_started(self, lease: Lease, reason: str) -> None:
+    def _not_started(self, lease: Lease, reason: str) -> NoReturn:
         lease._lost = True
         logger.warning("task %s[%s]: body not started: lease (token %s) %s",
                        self.name, lease.task_id, lease.token, reason)
