@@ -90,7 +90,7 @@ def run_mode(config: RunConfig, mode: str, *, scenario: str = "faults") -> tuple
                           variant="graceful")]
     cluster = Cluster(run_dir, mode, config.workers, ttl=config.ttl,
                       visibility_timeout=config.visibility_timeout, prefetch=config.prefetch,
-                      separate_lease_redis=scenario == "no-persistence")
+                      separate_lease_redis=True, lease_appendonly=scenario == "faults")
     logger.info("chaos %s/%s seed %s: %d tasks, %d faults, %d workers, run dir %s", scenario, mode,
                 config.seed, len(tasks), len(schedule), config.workers, run_dir)
     app = submit_app = None
@@ -187,9 +187,13 @@ def apply_fault(cluster: Cluster, fault: Fault) -> None:
     elif fault.kind == "stop_worker":
         cluster.stop_worker(fault.slot, fault.seconds)
     elif fault.kind == "redis_restart":
-        cluster.redis_restart(fault.variant, fault.seconds)
+        cluster.redis_restart(fault.variant, fault.seconds, server=cluster.server(fault.server))
     elif fault.kind == "redis_pause":
-        cluster.redis_pause(fault.seconds)
+        cluster.redis_pause(fault.seconds, server=cluster.server(fault.server))
+    elif fault.kind == "lease_store_pause":
+        cluster.lease_store_pause(fault.seconds)
+    elif fault.kind == "malformed":
+        cluster.publish_malformed(fault.variant, fault.pick)
     elif fault.kind == "restart_worker":
         cluster.restart_worker(fault.slot)
     elif fault.kind == "lease_redis_restart":
