@@ -6,6 +6,7 @@ ADV_HISTORY_DIR   where every process appends its history (chaos.history: files 
 ADV_WORKER        this worker's name in the history
 ADV_TTL, ADV_MAX_RECOVERIES, ADV_PREFETCH, ADV_UNAVAILABLE_DELAY, ADV_ACKS_LATE
 ADV_STORE_TIMEOUT socket timeout (s) of the lease store's client
+ADV_PUBLISH_RETRIES task_publish_retry_policy max_retries (Celery's default: 3)
 
 Tasks: ``adv.work(seq, seconds)`` returns ``{"seq", "token", "exec"}``; ``adv.callback``
 (a link) records which parent result it got; ``adv.poison`` kills its whole worker;
@@ -53,6 +54,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 3,
                                   "retry_on_timeout": True, "health_check_interval": 5},
+        task_publish_retry_policy={"max_retries": int(get("ADV_PUBLISH_RETRIES", "3")),
+                                   "interval_start": 0, "interval_step": 0.2, "interval_max": 1},
         result_backend_always_retry=True,
         result_backend_max_retries=100,
         result_expires=3600,

@@ -15,7 +15,8 @@ which returns :class:`Counts`:
   a FAILURE the body never raised, a record ``succeeded`` with nothing in the backend);
 - **duplicates accepted**: more than one execution's success accepted;
 - **waiters misled**: the first outcome a waiter received is not the one that stands at the
-  end (another status, or another execution's value);
+  end (another status, or another execution's value), or contradicts the lease record
+  (FAILURE beside a ``succeeded`` lease);
 - **time to settle**: seconds from the end of the fault to the last waiter's return.
 
 Waiters are real: one pub/sub subscription per task on the result key, as
@@ -120,13 +121,14 @@ class Waiters:
         self._thread = threading.Thread(target=self._loop, name="adv-waiters", daemon=True)
         self._thread.start()
 
-    def add(self, task_id: str) -> None:
-        """Start waiting on ``task_id``: call before the task is sent."""
+    def add(self, *task_ids: str) -> None:
+        """Start waiting on ``task_ids``: call before the tasks are sent (returns once subscribed)."""
         with self._lock:
-            self._ids.append(task_id)
-            self._pending.append(task_id)
+            self._ids.extend(task_ids)
+            self._pending.extend(task_ids)
             self._subscribed.clear()
-        self._subscribed.wait(10)
+        if not self._subscribed.wait(30):
+            raise RuntimeError(f"waiters: not subscribed after 30 s (errors: {self.errors[-3:]})")
 
     def _note(self, task_id: str, raw: Any) -> None:
         try:
@@ -156,7 +158,7 @@ class Waiters:
                         pubsub.subscribe(*[self.key(i) for i in new])
                         self._catch_up(client, new)
                         self._subscribed.set()
-                    message = pubsub.get_message(timeout=0.2)
+                    message = pubsub.get_message(timeout=0.02)
                     if message and message.get("type") == "message":
                         channel = message["channel"].decode()
                         self._note(channel[len(self._prefix):], message["data"])
@@ -276,6 +278,21 @@ class Run:
                          **options)
         return task_id
 
+    def submit_many(self, count: int, seconds: float = 0.0) -> list[str]:
+        """``count`` ``adv.work`` tasks, their waiters subscribed at once, then sent."""
+        ids = []
+        for _ in range(count):
+            self._seq += 1
+            task_id = f"{self.name[:12]}-{self._seq:05d}"
+            self.expect[task_id] = Expect("success", self._seq)
+            ids.append(task_id)
+        client = self.client
+        assert self.waiters is not None
+        self.waiters.add(*ids)
+        for task_id in ids:
+            client.send_task("adv.work", args=(self.expect[task_id].seq, seconds), task_id=task_id)
+        return ids
+
     def publish_raw(self, headers: dict, args: tuple = (-1, 0.0), name: str = "adv.work") -> None:
         """A message as any client could send it, bypassing Celery's checks (malformed on purpose)."""
         base = {"lang": "py", "task": name, "id": str(uuid.uuid4()), "root_id": None,
@@ -358,10 +375,16 @@ class Run:
             why.append(f"expected a success; backend {status} {str(result)[:120]}, lease {state}")
         if got is not None:
             first = got[1]
-            if first.get("status") != status or (status == "SUCCESS" and first.get("result") != result):
+            told = first.get("status")
+            # The lease is the outcome that stands: a backend that contradicts it misleads too.
+            contradicts = state is not None and (
+                (told == "SUCCESS" and state != "succeeded")
+                or (told == "FAILURE" and state not in ("failed", "dead"))
+                or (told == "REVOKED" and state != "revoked"))
+            if told != status or (status == "SUCCESS" and first.get("result") != result) or contradicts:
                 counts.misled += 1
-                why.append(f"waiter got {first.get('status')} {str(first.get('result'))[:80]}, "
-                           f"the outcome that stands is {status} {str(result)[:80]}")
+                why.append(f"waiter got {told} {str(first.get('result'))[:80]}; the backend ends "
+                           f"{status} {str(result)[:80]}, the lease {state}")
         ok = False
         if expect.outcome == "success":
             ok = (status == "SUCCESS" and len(accepted) == 1 and isinstance(result, dict)

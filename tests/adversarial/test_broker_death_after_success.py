@@ -2,7 +2,8 @@
 (needs H6's fix).
 
 Given tasks with a link callback, the broker on its own redis-server (AOF on); when the
-broker is killed just before the bodies return and comes back 3 s later; then each task's
+broker is killed just before the bodies return and comes back 20 s later (past the
+publish's retries: one retry here, each try about 6 s of reconnecting); then each task's
 success stands in the backend (never FAILURE(OperationalError) beside a ``succeeded``
 lease), and each callback runs exactly once.
 """
@@ -17,7 +18,7 @@ DEPENDS = "H6 (an accepted success whose callbacks could not be sent is recovere
 
 
 def scenario(directory, long: bool = False) -> Counts:
-    with Run(NAME, directory) as run:
+    with Run(NAME, directory, ADV_PUBLISH_RETRIES="1") as run:
         broker = run.server("broker", appendonly=True)
         run.server("main")
         run.wire("broker", backend="main")
@@ -30,7 +31,7 @@ def scenario(directory, long: bool = False) -> Counts:
                 parents.append(run.submit(1.5, task_id=task_id, link=link))
             time.sleep(1.3)  # the bodies are about to return
             broker.kill()
-            time.sleep(3.0)
+            time.sleep(20.0)
             broker.start()
             time.sleep(2.0)
         run.mark_fault_end()
