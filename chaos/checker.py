@@ -418,7 +418,10 @@ def explain(data: dict, report: Report, task_ids: Iterable[str], limit: int = 5)
         out.append("")
         out.append(f"== task {task_id} (seq {task.get('seq')}, {task.get('seconds')} s): "
                    + "; ".join(report.reasons.get(task_id, [])))
-        out.append(f"  submitted at {data['submitted'].get(task_id, 0) - t0:.3f}s")
+        if task_id in data["submitted"]:
+            out.append(f"  submitted at {data['submitted'][task_id] - t0:.3f}s")
+        else:
+            out.append("  not submitted by the harness (a malformed message of the 'malformed' fault)")
         out.extend(iter_lines(events, since=t0))
         submitted = data["submitted"].get(task_id)
         if events or submitted:

@@ -88,3 +88,19 @@ def test_a_skewed_process_sleeps_normally_and_its_wall_clock_is_off():
     out = json.loads(done.stdout)
     assert 0.29 <= out["slept"] < 2.0
     assert 3500 < out["wall"] - time.time() < 3700
+
+
+def test_without_libfaketime_a_skew_test_skips_locally_and_fails_under_ci(monkeypatch):
+    import pytest
+
+    import tests.skew
+    # Given no libfaketime anywhere
+    monkeypatch.setattr(tests.skew, "faketime_library", lambda: None)
+    # When a skew test asks for a skewed environment, Then it skips locally
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        tests.skew.skewed_env("+1h")
+    # And fails under CI, naming what to install
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="libfaketime"):
+        tests.skew.skewed_env("+1h")
