@@ -5,7 +5,6 @@ ADV_PREFIX        key prefix and queue name
 ADV_HISTORY_DIR   where every process appends its history (chaos.history: files survive faults)
 ADV_WORKER        this worker's name in the history
 ADV_TTL, ADV_MAX_RECOVERIES, ADV_PREFETCH, ADV_UNAVAILABLE_DELAY, ADV_ACKS_LATE
-ADV_STORE_TIMEOUT socket timeout (s) of the lease store's client
 ADV_PUBLISH_RETRIES task_publish_retry_policy max_retries (Celery's default: 3)
 
 Tasks: ``adv.work(seq, seconds)`` returns ``{"seq", "token", "exec"}``; ``adv.callback``
@@ -34,12 +33,10 @@ def create_app(env: Mapping[str, str]) -> Celery:
     broker = get("ADV_BROKER", "redis://127.0.0.1:1/0")
     backend = get("ADV_BACKEND", broker)
     app = Celery("adv", broker=broker, backend=backend)
-    timeout = float(get("ADV_STORE_TIMEOUT", "2"))
     ttl = float(get("ADV_TTL", "2"))
     app.conf.update(
         task_default_queue=prefix,
         leases_redis_url=get("ADV_LEASES", backend),
-        leases_redis_transport_options={"socket_timeout": timeout, "socket_connect_timeout": timeout},
         leases_key_prefix=prefix,
         leases_ttl=ttl,
         leases_recovery_interval=ttl / 2,

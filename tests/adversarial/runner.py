@@ -209,6 +209,8 @@ class Run:
         #: The lease store restarts empty in this scenario: a finished task may have no record.
         self.records_may_vanish = records_may_vanish
         self.dir = Path(directory) / name
+        if self.dir.exists():  # a run directory used before: never mix two runs' histories
+            self.dir = Path(directory) / f"{name}-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         self.history_dir = self.dir / "history"
         self.history_dir.mkdir(parents=True, exist_ok=True)
         self.prefix = f"adv{uuid.uuid4().hex[:6]}"
@@ -232,11 +234,16 @@ class Run:
         self.servers[name] = server
         return server
 
-    def wire(self, broker: str = "main", backend: str | None = None, leases: str | None = None) -> None:
-        """Which server holds the broker (db 0), the results (db 1) and the leases (db 2)."""
+    def wire(self, broker: str = "main", backend: str | None = None, leases: str | None = None,
+             leases_query: str = "") -> None:
+        """Which server holds the broker (db 0), the results (db 1) and the leases (db 2).
+
+        ``leases_query``: redis-py URL options for the lease store's client (they override
+        the store's own defaults), e.g. ``socket_timeout=0.5``."""
         url = lambda s, db: f"redis://127.0.0.1:{self.servers[s].port}/{db}"  # noqa: E731
         self.env_base.update(ADV_BROKER=url(broker, 0), ADV_BACKEND=url(backend or broker, 1),
-                             ADV_LEASES=url(leases or backend or broker, 2))
+                             ADV_LEASES=url(leases or backend or broker, 2)
+                             + (f"?{leases_query}" if leases_query else ""))
 
     def worker(self, name: str, pool: str = "prefork", concurrency: int = 2, *, skew: str | None = None,
                start: bool = True, **env: str) -> Worker:
