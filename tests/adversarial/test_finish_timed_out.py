@@ -23,14 +23,15 @@ def scenario(directory, long: bool = False) -> Counts:
         leases = run.server("leases")
         run.wire("main", leases="leases", leases_query="socket_timeout=0.5&socket_connect_timeout=0.5")
         run.worker("p", "prefork", 4)
-        for rnd in range(3 if long else 1):
+        for _ in range(3 if long else 1):
             # Warm up: every pool process holds its connection to the store before the stall
             # (a connection opened during it would time out in its handshake, before any
             # command is buffered, and the stall would prove nothing).
             warm = run.submit_many(16, 0.05)
             wait_until(lambda: run.waiters is not None and all(t in run.waiters.first for t in warm),
                        20, "the warm-up tasks")
-            ids = [run.submit(0.8 + 0.1 * i) for i in range(6)]
+            for i in range(6):
+                run.submit(0.8 + 0.1 * i)
             time.sleep(0.7)  # bodies started; they end during the pause
             pause(leases.process.pid, 12.0 if long else 6.0)
         run.mark_fault_end()

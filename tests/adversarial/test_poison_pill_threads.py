@@ -24,7 +24,7 @@ def scenario(directory, long: bool = False) -> Counts:
         run.wire("main")
         workers = [run.worker("t0", "threads", 1, ADV_PREFETCH="4")]
         run.submit(name="adv.poison", args=(), expect="dead")
-        for i in range(12 if long else 8):
+        for _ in range(12 if long else 8):
             run.submit(0.2)
         deadline = time.time() + (90 if long else 45)
         restarts = 0

@@ -8,7 +8,6 @@ then A runs no body of a task that already succeeded elsewhere, and each task is
 from __future__ import annotations
 
 import signal
-import time
 
 from tests.adversarial.runner import Counts, Run, wait_until
 

@@ -8,7 +8,6 @@ it again, and the ordinary tasks each succeed once.
 """
 from __future__ import annotations
 
-import time
 
 from tests.adversarial.runner import Counts, Run, wait_until
 

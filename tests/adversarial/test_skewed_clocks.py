@@ -13,8 +13,6 @@ Workers run under libfaketime with only the wall clock skewed (tests/skew.py).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
