@@ -37,9 +37,10 @@ def faketime_library() -> str | None:
         libfaketime = None
     if libfaketime is not None:
         _, env = libfaketime.get_reload_information()
-        path = Path(env["LD_LIBRARY_PATH"].split(os.pathsep)[0]) / env["LD_PRELOAD"]
-        if path.is_file():
-            return str(path)
+        for directory in env.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+            path = Path(directory) / env.get("LD_PRELOAD", "libfaketime.so.1")
+            if directory and path.is_file():
+                return str(path)
     return next((p for p in SYSTEM_LIBRARIES if Path(p).is_file()), None)
 
 
