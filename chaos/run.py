@@ -2,7 +2,8 @@
 
 One run per mode, with the same seed, so the same workload and fault schedule:
 
-1. start a Redis (AOF on, ``appendfsync everysec``) on a free port, and N workers;
+1. start two Redis servers (AOF on, ``appendfsync everysec``) on free ports, one for the
+   broker, results and sink, one for the lease store alone, and N workers;
 2. submit the tasks evenly over the fault window while the fault
    schedule runs against the workers and Redis;
 3. at the end of the window, heal: resume stopped workers, unpause Redis, fill
