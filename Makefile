@@ -76,6 +76,19 @@ ADVERSARIAL_ARGS ?= --long
 adversarial: venv
 	$(VENV)/bin/python -m tests.adversarial $(ADVERSARIAL_ARGS) $(ADVERSARIAL)
 
+# -- Celery's own integration suite --------------------------------------------
+# t/integration/test_tasks.py and test_canvas.py of the installed Celery's sdist
+# (fetched once into .celery-suite/), against a throwaway redis-server, plain and
+# then with every task leased; exits 1 if a test fails only when leased
+# (docs/compatibility.md). CELERY_SUITE_ARGS narrows it: "-k test_retry", or a
+# test id such as t/integration/test_tasks.py::test_tasks::test_retry.
+# make test runs a quick sample of it (tests/test_celery_suite_sample.py).
+CELERY_SUITE_ARGS ?=
+
+.PHONY: celery-suite
+celery-suite: venv
+	$(VENV)/bin/python -m tests.celery_suite.run $(CELERY_SUITE_ARGS)
+
 # -- Redis Cluster -------------------------------------------------------------
 # The Redis Cluster tests alone, verbosely (they also run in make test, ~30 s):
 # a local cluster of 3 masters + 1 replica each, the store across shards, a

@@ -27,6 +27,11 @@ setup(
             "prometheus-client",
             # Ships libfaketime.so.1: the clock-skew tests preload it (tests/skew.py).
             "libfaketime",
+            # Celery's own integration suite (tests/celery_suite): its markers and fixtures.
+            "pytest-rerunfailures",
+            "pytest-order",
+            "pytest-subtests",
+            "pydantic",
         ],
         "docs": ["sphinx", "myst-parser", "pytest"],
         "prometheus": ["prometheus-client"],

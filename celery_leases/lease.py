@@ -23,14 +23,18 @@ class Lease:
     over; ``check()`` asks the store now and raises LeaseLost.
     """
 
-    __slots__ = ("task_id", "owner", "token", "generation", "store", "_lost", "_checked_at",
-                 "_check_every", "_beat_at", "_beat_every", "_local_lost")
+    __slots__ = ("task_id", "owner", "token", "generation", "store", "handed_over", "_lost",
+                 "_checked_at", "_check_every", "_beat_at", "_beat_every", "_local_lost")
 
     def __init__(self, task_id: str, owner: str, token: int, generation: int,
                  store: "LeaseStore", *, check_every: float = 1.0, beat_every: float = 0.0,
                  local_lost=None) -> None:
         self.task_id, self.owner, self.token, self.generation = task_id, owner, token, generation
         self.store = store
+        #: True once this execution handed the lease on (retry, replace): the
+        #: next attempt owns it, and this execution's own outcome writes nothing.
+        #: Kept here, not on the request: Celery copies the request per call.
+        self.handed_over = False
         self._lost = False
         self._checked_at = time.monotonic()
         self._check_every = check_every
@@ -139,6 +143,7 @@ class DetachedLease:
     task_id = owner = token = generation = None
     lost = False
     held = False
+    handed_over = False
 
     def check(self) -> None:
         return None

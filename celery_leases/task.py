@@ -26,9 +26,12 @@ from .signals import stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.task")
 
-# Keys the worker adds to the request; declared on Context so they stay out
-# of request.headers and never travel into retry() re-publishes.
-for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable"):
+# Keys the worker and this class add to the request; declared on Context so
+# they stay out of request.headers and never travel into retry() re-publishes
+# (Celery 5.7's push_request copies the request's __dict__ into a new Context,
+# whose custom headers are every key Context does not declare).
+for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable",
+              "_lease_handle"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
 
@@ -96,7 +99,7 @@ class LeasedTask(Task):
         try:
             retval = super().__call__(*args, **kwargs)
         except Retry:
-            if not request.__dict__.get("_lease_handed_over"):
+            if not lease.handed_over:
                 self._finish(lease, "retry", next_attempt=(request.retries or 0) + 1)
             raise
         except Reject as exc:
@@ -108,7 +111,8 @@ class LeasedTask(Task):
                 self._finish(lease, "failed")
             raise
         except Ignore:
-            self._finish(lease, "succeeded")
+            if not lease.handed_over:  # replace() handed the lease to the replacement
+                self._finish(lease, "succeeded")
             raise
         except Exception:
             self._finish(lease, "failed")
@@ -154,8 +158,7 @@ class LeasedTask(Task):
         lease = self.lease
         limit = self.max_retries if max_retries is None else max_retries
         will_retry = limit is None or (request.retries or 0) + 1 <= limit
-        if (will_retry and lease.held and not request.is_eager
-                and not request.__dict__.get("_lease_handed_over")):
+        if will_retry and lease.held and not request.is_eager and not lease.handed_over:
             delay = countdown if countdown is not None else (
                 0 if eta is not None else (self.default_retry_delay or 0))
             if eta is not None:
@@ -164,7 +167,7 @@ class LeasedTask(Task):
             config = get_config(self.app)
             self._finish(lease, "retry", next_attempt=(request.retries or 0) + 1,
                          retry_grace=float(delay) + config.publish_grace)
-            request._lease_handed_over = True
+            lease.handed_over = True
         return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
                              countdown=countdown, max_retries=max_retries, **options)
 
@@ -179,17 +182,23 @@ class LeasedTask(Task):
             sig.set(headers=headers)
         return sig
 
-    def replace(self, sig: Any) -> Any:
-        """Hand the lease to the replacement, which Celery publishes under the same id."""
+    def on_replace(self, sig: Any) -> Any:
+        """Hand the lease to the replacement, which Celery publishes under the same id.
+
+        Here rather than in ``replace()``: Celery calls this once it has
+        validated ``sig`` (an empty chain raises before), so a replacement
+        that is refused leaves the lease, and the failure, to this execution.
+        """
         lease = self.lease
-        if lease.held:
+        if lease.held and not lease.handed_over:
             generation = int(self.request.lease_generation or 0)
             if generation:
                 headers = dict(sig.options.get("headers") or {})
                 headers["lease_generation"] = generation
                 sig.set(headers=headers)
             self._finish(lease, "retry", next_attempt=0)
-        return super().replace(sig)
+            lease.handed_over = True
+        return super().on_replace(sig)
 
 
 def refuse(task: Any, task_id: str, token: int | None, outcome: str, reason: str) -> None:

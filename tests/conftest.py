@@ -18,7 +18,7 @@ pytest_plugins = ("celery.contrib.pytest",)
 #: two xdist processes (``--dist loadfile``) they start at once and the other
 #: process works through the rest meanwhile, instead of one long module
 #: starting last.
-LONG_MODULES = ("test_chaos.py",)
+LONG_MODULES = ("test_chaos.py", "test_celery_suite_sample.py")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

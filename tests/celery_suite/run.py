@@ -1,0 +1,158 @@
+"""Celery's own integration tests, plain and then with every task leased.
+
+``make celery-suite`` (all of ``t/integration/test_tasks.py`` and
+``test_canvas.py``) and the quick sample in ``make test`` run this. It fetches
+the sdist of the installed Celery (``pip download --no-binary :all:``), starts
+a throwaway redis-server as broker, backend and lease store (Celery's test
+settings default to the machine's shared 6379 and to RabbitMQ: both are
+pointed at it), runs the tests once plain and once with
+``tests.celery_suite.leased`` loaded, prints both summaries, and lists the
+tests that fail only when leased. Exit status 1 when that list is not empty
+(or a run did not produce results).
+
+    python -m tests.celery_suite.run                    # the full two files
+    python -m tests.celery_suite.run -k test_retry      # a selection (pytest -k)
+    python -m tests.celery_suite.run --sample           # the quick sample
+    python -m tests.celery_suite.run --mode leased t/integration/test_tasks.py::test_retry
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from importlib.metadata import version
+from pathlib import Path
+
+from celery_leases.processes import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / ".celery-suite"
+FILES = ("t/integration/test_tasks.py", "t/integration/test_canvas.py")
+#: Plugins the suite's tests need (markers, ordering); installed on first use.
+NEEDS = ("pytest-rerunfailures", "pytest-timeout", "pytest-order", "pytest-subtests", "pydantic")
+#: The quick sample: retries, chains, groups and chords (a few minutes).
+SAMPLE = " or ".join((
+    "test_retry", "test_task_retried", "test_replace_chain_with_empty_chain",  # retries, replace
+    "test_simple_chain", "test_chain_on_error", "test_group_results_in_chain",  # chains
+    "test_callback_called_by_group", "test_nested_group", "test_group_lone",  # groups
+    "test_add_to_chord", "test_empty_header_chord", "test_chord_on_error",  # chords
+    "test_error_propagates_to_chord_from_simple",
+))
+
+
+def sdist(celery_version: str) -> Path:
+    """The unpacked sdist of ``celery_version`` (downloaded once into .celery-suite/)."""
+    target = CACHE / f"celery-{celery_version}"
+    if (target / "t" / "integration").is_dir():
+        return target
+    CACHE.mkdir(exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    f"celery=={celery_version}", "-d", str(CACHE)], check=True)
+    archive = next(CACHE.glob(f"celery-{celery_version}.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(CACHE, filter="data")
+    return target
+
+
+def ensure_plugins() -> None:
+    missing = []
+    for name in NEEDS:
+        try:
+            version(name)
+        except Exception:  # noqa: BLE001 - not installed
+            missing.append(name)
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
+
+
+def run(mode: str, tree: Path, redis_port: int, targets: list[str], keyword: str | None,
+        out: Path) -> tuple[dict[str, str], float]:
+    """One pytest run of Celery's tests; {test id: outcome} and wall seconds."""
+    env = dict(os.environ)
+    url = f"redis://127.0.0.1:{redis_port}"
+    env.update(TEST_BROKER=f"{url}/0", TEST_BACKEND=f"{url}/1", REDIS_HOST="127.0.0.1",
+               REDIS_PORT=str(redis_port), PYTHONPATH=os.pathsep.join(
+                   p for p in (str(ROOT), str(tree), env.get("PYTHONPATH", "")) if p))
+    env.pop("LEASES_TEST_REDIS_URL", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           "-p", "no:celery_leases", "-p", "celery.contrib.pytest", "-o", "addopts=", "--timeout=300", f"--junitxml={out}",
+           "--rootdir", str(tree)]
+    if mode == "leased":
+        cmd += ["-p", "tests.celery_suite.leased"]
+    if keyword:
+        cmd += ["-k", keyword]
+    started = time.monotonic()
+    subprocess.run(cmd + targets, cwd=tree, env=env)
+    elapsed = time.monotonic() - started
+    return (outcomes(out) if out.exists() else {}), elapsed
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    results = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            results[name] = "failed"
+        elif case.find("skipped") is not None:
+            results[name] = "skipped"
+        else:
+            results[name] = "passed"
+    return results
+
+
+def summary(results: dict[str, str]) -> str:
+    counts = {k: sum(1 for v in results.values() if v == k) for k in ("passed", "failed", "skipped")}
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help=f"test files or ids (default: {' '.join(FILES)})")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--sample", action="store_true", help="the quick sample (retry, chain, group, chord)")
+    parser.add_argument("--mode", choices=("both", "plain", "leased"), default="both")
+    args = parser.parse_args(argv)
+    celery_version = version("celery")
+    tree = sdist(celery_version)
+    ensure_plugins()
+    targets = args.targets or list(FILES)
+    keyword = SAMPLE if args.sample else args.keyword
+    modes = ("plain", "leased") if args.mode == "both" else (args.mode,)
+    results: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="celery-suite-") as tmp:
+        for mode in modes:
+            # A fresh server per run: nothing of the plain run is left for the leased one.
+            server = RedisServer(dir=Path(tmp) / mode).start()
+            try:
+                results[mode], elapsed = run(mode, tree, server.port, targets, keyword,
+                                             Path(tmp) / f"{mode}.xml")
+            finally:
+                server.stop()
+            print(f"\ncelery {celery_version} {mode}: {summary(results[mode])} in {elapsed / 60:.1f} min",
+                  flush=True)
+    status = 0
+    for mode in modes:
+        if not results[mode]:
+            print(f"{mode}: no results (the run did not start?)")
+            status = 1
+    if len(modes) == 2 and status == 0:
+        plain, leased = results["plain"], results["leased"]
+        only_leased = sorted(t for t, o in leased.items() if o == "failed" and plain.get(t) != "failed")
+        both = sorted(t for t, o in leased.items() if o == "failed" and plain.get(t) == "failed")
+        if both:
+            print("failing plain as well (not counted):\n  " + "\n  ".join(both))
+        if only_leased:
+            print("FAILING ONLY WHEN LEASED:\n  " + "\n  ".join(only_leased))
+            status = 1
+        else:
+            print("no test fails only when leased")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
