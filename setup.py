@@ -25,6 +25,8 @@ setup(
             "pytest-xdist",
             "psycopg[binary]",
             "prometheus-client",
+            # Ships libfaketime.so.1: the clock-skew tests preload it (tests/skew.py).
+            "libfaketime",
             # Celery's own integration suite (tests/celery_suite): its markers and fixtures.
             "pytest-rerunfailures",
             "pytest-order",

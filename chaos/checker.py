@@ -7,8 +7,11 @@ whether its message is still in the broker.
 
 What is counted, per task:
 
-- **lost**: submitted, never finished nor dead, and nothing left that could
-  still run it (no live lease, no message in the broker).
+- **lost**: its waiter never returns: submitted, and after settling the result
+  backend holds no ready state (SUCCESS, FAILURE, REVOKED) for it, whatever
+  the reason. The rows below that also apply (still active, crash window, lost
+  by the broker before receipt) say why; "lost" counts each such task too, since
+  a caller blocked in ``AsyncResult.get()`` cannot tell the reasons apart.
 - **still active**: not finished after settling, but a lease is active or
   recovering (leases mode) or its message is still in the broker (plain mode).
 - **double-accepted**: more than one execution's outcome left the task
@@ -27,6 +30,9 @@ What is counted, per task:
   process was SIGKILLed after its body ended and before Celery wrote the
   result. docs/celery.md documents this window. Without such a kill it is
   counted under "backend disagrees".
+- **malformed bodies run**: bodies that ran for a malformed message (a raw publish with
+  a bad id or a non-integer ``lease_generation``/``retries`` header; ``seq`` < 0): such a
+  message must be refused or parked, never run. An invariant in leases mode.
 - **duplicates executed**: tasks whose body ran more than once. Allowed in
   both modes (a SIGSTOPped owner resumes and runs on: that is by design);
   only accepted duplicates are violations.
@@ -51,7 +57,11 @@ TERMINAL = ("succeeded", "failed", "dead", "revoked")
 
 #: Counts that break an invariant in leases mode.
 INVARIANTS = ("lost", "still_active", "double_accepted", "not_newest_token",
-              "stale_sink_writes", "backend_disagrees")
+              "stale_sink_writes", "backend_disagrees", "malformed_ran")
+
+#: Fault-log entries that count as injected faults.
+FAULT_KINDS = ("kill_worker", "kill_child", "stop_worker", "redis_restart", "redis_pause",
+               "restart_worker", "lease_store_pause", "malformed")
 
 
 @dataclass
@@ -127,14 +137,17 @@ def check(data: dict) -> Report:
     report = Report(mode, seed, settle_seconds=data.get("settle_seconds"),
                     settle_timeout=data.get("settle_timeout", 0.0))
     report.faults = Counter(f["what"] for f in data.get("fault_log", [])
-                            if not f.get("skipped") and f["what"] in (
-                                "kill_worker", "kill_child", "stop_worker", "redis_restart",
-                                "redis_pause", "restart_worker"))
+                            if not f.get("skipped") and f["what"] in FAULT_KINDS)
     report.worker_exits = sum(1 for f in data.get("fault_log", []) if f["what"] == "worker_exited")
     history = by_task(data["history"])
     kills = [f for f in data.get("fault_log", []) if f["what"] in ("kill_worker", "kill_child")
              and not f.get("skipped")]
     final = data["final"]
+    # Malformed messages are not tasks the run expects: none may run a body (seq < 0).
+    for event in data["history"]:
+        if event.get("ev") == "start" and int(event.get("seq", 0) or 0) < 0:
+            report.add("malformed_ran", str(event.get("task")),
+                       f"a body ran for a malformed message (exec {event.get('exec')})")
     finished_at: list[float] = []
     for task in data["tasks"]:
         task_id = task["id"]
@@ -215,6 +228,9 @@ def _check_task(report: Report, leased: bool, task: dict, events: list[dict], me
         else:
             report.add("lost", task_id, f"no result, lease record {state or 'missing'}, "
                                         f"no message left in the broker")
+        # Whatever the reason above, a caller waiting on the result never returns.
+        report.add("lost", task_id, "its waiter never returns: no ready state in the backend "
+                                    "after settling")
     elif leased and state in ("active", "recovering"):
         report.add("backend_disagrees", task_id, f"backend holds {status} while the lease is {state}")
 
@@ -344,7 +360,7 @@ def _cell(report: Report | None, key: str) -> str:
 ROWS = (
     ("submitted", "tasks submitted"),
     ("succeeded", "succeeded / failed / dead"),
-    ("lost", "lost"),
+    ("lost", "lost (waiter never returns)"),
     ("lost_before_receipt", "lost by the broker before receipt **"),
     ("still_active", "still active after settling"),
     ("double_accepted", "double-accepted outcomes"),
@@ -352,6 +368,7 @@ ROWS = (
     ("stale_sink_writes", "stale sink writes"),
     ("backend_disagrees", "backend disagrees with outcome"),
     ("backend_missing_window", "backend missing (crash window)"),
+    ("malformed_ran", "bodies run for malformed messages"),
     ("executions", "executions per task (runs:tasks)"),
     ("duplicates", "duplicates executed *"),
     ("refused", "stale outcomes refused"),
@@ -401,7 +418,10 @@ def explain(data: dict, report: Report, task_ids: Iterable[str], limit: int = 5)
         out.append("")
         out.append(f"== task {task_id} (seq {task.get('seq')}, {task.get('seconds')} s): "
                    + "; ".join(report.reasons.get(task_id, [])))
-        out.append(f"  submitted at {data['submitted'].get(task_id, 0) - t0:.3f}s")
+        if task_id in data["submitted"]:
+            out.append(f"  submitted at {data['submitted'][task_id] - t0:.3f}s")
+        else:
+            out.append("  not submitted by the harness (a malformed message of the 'malformed' fault)")
         out.extend(iter_lines(events, since=t0))
         submitted = data["submitted"].get(task_id)
         if events or submitted:

@@ -56,7 +56,7 @@ def pools_for(workers: int) -> list[tuple[str, int]]:
 class Cluster:
     def __init__(self, run_dir: Path, mode: str, workers: int, *, ttl: float = 3.0,
                  visibility_timeout: float = 5.0, prefetch: int = 2, appendonly: bool = True,
-                 separate_lease_redis: bool = False,
+                 separate_lease_redis: bool = False, lease_appendonly: bool = False,
                  pools: list[tuple[str, int]] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.mode = mode
@@ -67,9 +67,12 @@ class Cluster:
             d.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(port=free_port(), dir=self.run_dir / "redis", appendonly=appendonly,
                                  extra_args=("--appendfsync", "everysec") if appendonly else ())
-        #: The no-persistence scenario keeps the leases on their own Redis without AOF.
+        #: The leases on their own Redis: with AOF for the fault runs (so the lease store can be
+        #: paused or restarted on its own), without for the no-persistence scenario.
         self.lease_redis = (RedisServer(port=free_port(), dir=self.run_dir / "redis-leases",
-                                        appendonly=False) if separate_lease_redis else None)
+                                        appendonly=lease_appendonly,
+                                        extra_args=("--appendfsync", "everysec") if lease_appendonly else ())
+                            if separate_lease_redis else None)
         self.slots = [Slot(i, pool, c) for i, (pool, c) in enumerate(pools or pools_for(workers))]
         self.prefetch = prefetch
         self.visibility_timeout = visibility_timeout
@@ -325,22 +328,80 @@ class Cluster:
         finally:
             self._redis_lock.release()
 
-    def redis_pause(self, seconds: float) -> None:
+    def server(self, name: str) -> RedisServer:
+        """"main" (broker, results, sink) or "leases" (the lease store; main if it has none)."""
+        return self.lease_redis if name == "leases" and self.lease_redis is not None else self.redis
+
+    def redis_pause(self, seconds: float, server: RedisServer | None = None) -> None:
         """``CLIENT PAUSE <ms> ALL``: every client's commands wait; the pause ends by itself."""
+        server = server or self.redis
         if not self._redis_lock.acquire(blocking=False):
             self._record("redis_pause", skipped="redis busy with another fault")
             return
         try:
-            client = redis.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=5)
+            client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
             try:
                 client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
             finally:
                 client.close()
-            self._record("redis_pause", seconds=seconds)
+            self._record("redis_pause", seconds=seconds, port=server.port)
         except redis.RedisError as exc:
             self._record("redis_pause", skipped=repr(exc))
         finally:
             self._redis_lock.release()
+
+    def lease_store_pause(self, seconds: float) -> None:
+        """SIGSTOP the lease store's redis-server for ``seconds`` (past the ttl), then SIGCONT.
+
+        Unlike ``CLIENT PAUSE``, the frozen server accepts nothing and answers nothing, yet
+        keeps every command already in its sockets and runs them when it resumes: a finish
+        that timed out on the worker's side is applied later (issue #14, item 2).
+        """
+        server = self.lease_redis
+        if server is None or self.mode != "leases":
+            self._record("lease_store_pause", skipped="no lease store of its own")
+            return
+        if not self._redis_lock.acquire(blocking=False):
+            self._record("lease_store_pause", skipped="redis busy with another fault")
+            return
+        try:
+            pid = server.process.pid
+            self._record("lease_store_pause", port=server.port, seconds=seconds, pids=[pid])
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                self._stopping.wait(seconds)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            self._record("lease_store_resumed", port=server.port)
+        finally:
+            self._redis_lock.release()
+
+    def publish_malformed(self, variant: str, copies: int) -> None:
+        """Publish ``copies`` raw messages of the ``variant`` kind (chaos.faults.MALFORMED) to the
+        chaos queue, as a buggy or hostile client could: they are not tasks the run expects."""
+        import json
+        import uuid
+
+        from kombu import Connection
+
+        from chaos.app import BROKER_DB, QUEUE, TASK_NAME
+        from chaos.faults import MALFORMED
+        ids = []
+        with Connection(f"{self.redis_base}/{BROKER_DB}", connect_timeout=3) as conn:
+            producer = conn.Producer(serializer="json")
+            for _ in range(copies):
+                headers = {"lang": "py", "task": TASK_NAME, "id": f"malformed-{uuid.uuid4().hex[:8]}",
+                           "root_id": None, "parent_id": None, "group": None, "retries": 0,
+                           "eta": None, "expires": None, "argsrepr": "(-1, 0.1)", "kwargsrepr": "{}",
+                           "origin": "chaos-malformed", "ignore_result": False,
+                           "timelimit": [None, None], **MALFORMED[variant]}
+                body = json.dumps([[-1, 0.1], {}, {"callbacks": None, "errbacks": None,
+                                                   "chain": None, "chord": None}])
+                producer.publish(body, exchange="", routing_key=QUEUE, headers=headers,
+                                 content_type="application/json", content_encoding="utf-8",
+                                 retry=True, retry_policy={"max_retries": 3})
+                ids.append(repr(headers["id"]))
+        self._record("malformed", variant=variant, ids=ids)
 
     # -- the end of the fault window ----------------------------------------------
 
@@ -352,12 +413,15 @@ class Cluster:
             for server in (self.redis, self.lease_redis):
                 if server is not None and not server.running:
                     server.start()
-            try:
-                client = redis.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=10)
-                client.execute_command("CLIENT", "UNPAUSE")
-                client.close()
-            except redis.RedisError:
-                pass
+            for server in (self.redis, self.lease_redis):
+                if server is None:
+                    continue
+                try:
+                    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=10)
+                    client.execute_command("CLIENT", "UNPAUSE")
+                    client.close()
+                except redis.RedisError:
+                    pass
         deadline = time.monotonic() + timeout
         for t in list(self._threads):
             t.join(max(0.1, deadline - time.monotonic()))

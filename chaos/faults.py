@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["KINDS", "Fault", "ScheduleParams", "Task", "make_schedule", "make_workload"]
+__all__ = ["KINDS", "MALFORMED", "Fault", "ScheduleParams", "Task", "make_schedule", "make_workload"]
 
 #: Every kind of fault, with its weight in the random part of the schedule.
 KINDS = {
@@ -21,6 +21,20 @@ KINDS = {
     "redis_restart": 1,   # stop Redis (SIGTERM, or SIGKILL as a crash), start it again; AOF on
     "redis_pause": 2,     # CLIENT PAUSE ALL for longer than a heartbeat interval
     "restart_worker": 1,  # warm shutdown (SIGTERM), then start a new worker in the slot
+    "lease_store_pause": 2,  # SIGSTOP the lease store's own redis-server past the ttl, then SIGCONT
+    "malformed": 2,       # raw publishes a client could send: a bad id, non-integer headers
+}
+
+#: The malformed messages the ``malformed`` fault publishes (``Fault.variant`` names one):
+#: header overrides of an otherwise valid ``chaos.work`` message with ``seq`` -1. None may
+#: run a body; leases mode must refuse or park each (chaos.checker, "malformed bodies run").
+MALFORMED = {
+    "id-null": {"id": None},
+    "id-float": {"id": 1.5},
+    "id-lone-surrogate": {"id": "bad-\udc80-id"},
+    "generation-not-int": {"lease_generation": "x"},
+    "generation-list": {"lease_generation": [1]},
+    "retries-not-int": {"retries": "two"},
 }
 
 
@@ -41,8 +55,11 @@ class Fault:
     slot: int = -1
     #: Seconds the fault lasts (stop, pause), a killed worker stays down, or Redis stays down.
     seconds: float = 0.0
-    #: redis_restart: "graceful" (SIGTERM, AOF flushed) or "crash" (SIGKILL).
+    #: redis_restart: "graceful" (SIGTERM, AOF flushed) or "crash" (SIGKILL);
+    #: malformed: a key of MALFORMED.
     variant: str = ""
+    #: redis_restart / redis_pause: "main" (broker, results, sink) or "leases" (the lease store).
+    server: str = ""
     #: kill_child: which child (index modulo the number of children).
     pick: int = 0
 
@@ -52,6 +69,8 @@ class Fault:
             parts.append(f"slot {self.slot}")
         if self.variant:
             parts.append(self.variant)
+        if self.server:
+            parts.append(f"on {self.server}")
         if self.seconds:
             parts.append(f"{self.seconds:.2f}s")
         return " ".join(parts)
@@ -115,9 +134,17 @@ def make_schedule(seed: int, duration: float, params: ScheduleParams) -> list[Fa
             fault = Fault(t, kind, slot, seconds=round(params.ttl + rng.uniform(1.0, 3.0), 2))
         elif kind == "redis_restart":
             fault = Fault(t, kind, seconds=round(rng.uniform(0.2, 1.5), 2),
-                          variant=rng.choice(("graceful", "crash")))
+                          variant=rng.choice(("graceful", "crash")),
+                          server=rng.choice(("main", "leases")))
         elif kind == "redis_pause":
-            fault = Fault(t, kind, seconds=round(heartbeat * rng.uniform(1.5, 2.5), 2))
+            fault = Fault(t, kind, seconds=round(heartbeat * rng.uniform(1.5, 2.5), 2),
+                          server=rng.choice(("main", "leases")))
+        elif kind == "lease_store_pause":
+            # Past the ttl: every lease expires while the store is frozen, with the workers'
+            # finishes and renewals buffered in its sockets (issue #14, item 2).
+            fault = Fault(t, kind, seconds=round(params.ttl + rng.uniform(1.0, 3.0), 2))
+        elif kind == "malformed":
+            fault = Fault(t, kind, variant=rng.choice(sorted(MALFORMED)), pick=rng.randrange(1, 4))
         elif kind == "restart_worker":
             fault = Fault(t, kind, slot)
         else:

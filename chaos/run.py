@@ -2,7 +2,8 @@
 
 One run per mode, with the same seed, so the same workload and fault schedule:
 
-1. start a Redis (AOF on, ``appendfsync everysec``) on a free port, and N workers;
+1. start two Redis servers (AOF on, ``appendfsync everysec``) on free ports, one for the
+   broker, results and sink, one for the lease store alone, and N workers;
 2. submit the tasks evenly over the fault window while the fault
    schedule runs against the workers and Redis;
 3. at the end of the window, heal: resume stopped workers, unpause Redis, fill
@@ -90,7 +91,7 @@ def run_mode(config: RunConfig, mode: str, *, scenario: str = "faults") -> tuple
                           variant="graceful")]
     cluster = Cluster(run_dir, mode, config.workers, ttl=config.ttl,
                       visibility_timeout=config.visibility_timeout, prefetch=config.prefetch,
-                      separate_lease_redis=scenario == "no-persistence")
+                      separate_lease_redis=True, lease_appendonly=scenario == "faults")
     logger.info("chaos %s/%s seed %s: %d tasks, %d faults, %d workers, run dir %s", scenario, mode,
                 config.seed, len(tasks), len(schedule), config.workers, run_dir)
     app = submit_app = None
@@ -187,9 +188,13 @@ def apply_fault(cluster: Cluster, fault: Fault) -> None:
     elif fault.kind == "stop_worker":
         cluster.stop_worker(fault.slot, fault.seconds)
     elif fault.kind == "redis_restart":
-        cluster.redis_restart(fault.variant, fault.seconds)
+        cluster.redis_restart(fault.variant, fault.seconds, server=cluster.server(fault.server))
     elif fault.kind == "redis_pause":
-        cluster.redis_pause(fault.seconds)
+        cluster.redis_pause(fault.seconds, server=cluster.server(fault.server))
+    elif fault.kind == "lease_store_pause":
+        cluster.lease_store_pause(fault.seconds)
+    elif fault.kind == "malformed":
+        cluster.publish_malformed(fault.variant, fault.pick)
     elif fault.kind == "restart_worker":
         cluster.restart_worker(fault.slot)
     elif fault.kind == "lease_redis_restart":

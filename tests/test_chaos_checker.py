@@ -12,7 +12,7 @@ import pytest
 
 from chaos import checker
 from chaos.app import expected_result
-from chaos.faults import KINDS, ScheduleParams, make_schedule, make_workload
+from chaos.faults import KINDS, MALFORMED, ScheduleParams, make_schedule, make_workload
 
 
 def event(ev, t, **fields):
@@ -106,7 +106,8 @@ def test_a_task_still_leased_or_queued_after_settling_is_still_active(where):
     else:
         data["final"]["records"]["a"] = None
         data["final"]["pending"] = ["a"]
-    assert counts(data) == {"still_active": 1}
+    # (and lost: its waiter never returns; tests below)
+    assert counts(data) == {"still_active": 1, "lost": 1}
 
 
 def test_a_backend_value_of_another_token_disagrees():
@@ -119,11 +120,12 @@ def test_an_outcome_missing_from_the_backend_is_the_crash_window_only_if_a_kill_
     data = clean_run()
     data["final"]["backend"]["a"] = None
     data["history"] = [e for e in data["history"] if e["ev"] != "accepted"]
-    assert counts(data) == {"backend_disagrees": 1}
+    assert counts(data) == {"backend_disagrees": 1, "lost": 1}
     explained = copy.deepcopy(data)
     explained["fault_log"] = [{"t": 1.35, "rel": 1.35, "what": "kill_child", "pids": [100]}]
-    assert counts(explained) == {"backend_missing_window": 1}
-    assert not checker.check(explained).violations()
+    # The window explains why, but the waiter still never returns: lost, a violation
+    assert counts(explained) == {"backend_missing_window": 1, "lost": 1}
+    assert checker.check(explained).violations() == {"lost": ["a"]}
 
 
 def test_duplicates_are_counted_but_are_no_violation():
@@ -158,3 +160,58 @@ def test_a_short_schedule_has_every_kind_of_fault():
     assert all(3.0 <= f.at <= 58.0 for f in faults)
     stops = [f for f in faults if f.kind == "stop_worker"]
     assert all(f.seconds > 3.0 for f in stops)  # past the lease ttl
+
+
+def never_returned(why):
+    """Task "a" with no ready state in the backend after settling, for the reason ``why``."""
+    data = clean_run()
+    data["final"]["backend"]["a"] = None
+    if why == "record terminal, no result":
+        data["history"] = [e for e in data["history"] if e["ev"] != "accepted"]
+    elif why == "crash window":
+        data["history"] = [e for e in data["history"] if e["ev"] != "accepted"]
+        data["fault_log"] = [{"t": 1.35, "rel": 1.35, "what": "kill_child", "pids": [100]}]
+    elif why == "never received":
+        data["history"] = []
+        data["final"]["records"]["a"] = None
+    elif why == "lease still active":
+        data["final"]["records"]["a"] = {"state": "recovering", "token": 5}
+    elif why == "message still queued":
+        data["final"]["records"]["a"] = None
+        data["final"]["pending"] = ["a"]
+    elif why == "started (STARTED state only)":
+        data["final"]["backend"]["a"] = {"status": "STARTED", "result": None}
+        data["final"]["records"]["a"] = {"state": "active", "token": 5}
+    return data
+
+
+@pytest.mark.parametrize("why", ["record terminal, no result", "crash window", "never received",
+                                 "lease still active", "message still queued",
+                                 "started (STARTED state only)"])
+def test_a_task_whose_waiter_never_returns_is_lost_whatever_the_reason(why):
+    # Given a task whose result backend holds no ready state after settling
+    report = checker.check(never_returned(why))
+    # Then it is lost (a caller in AsyncResult.get() waits forever), and that breaks an invariant
+    assert report.counts["lost"] == 1
+    assert "lost" in report.violations()
+    assert any("waiter never returns" in r for r in report.reasons["a"])
+
+
+def test_a_body_run_for_a_malformed_message_breaks_an_invariant():
+    # Given a clean run, plus a body that ran for a malformed message (seq < 0, not a submitted task)
+    data = clean_run()
+    data["history"].append({"ev": "start", "t": 2.0, "task": "1.5", "worker": "w0g1", "pid": 100,
+                            "exec": "m1", "token": 0, "seq": -1})
+    report = checker.check(data)
+    # Then it is counted, as a violation, and the real task is untouched
+    assert report.violations() == {"malformed_ran": ["1.5"]}
+    assert report.submitted == 1 and report.succeeded == 1
+
+
+def test_the_schedule_pauses_the_lease_store_past_the_ttl_and_mixes_in_malformed_messages():
+    faults = make_schedule(3, 60, ScheduleParams(workers=3, ttl=3.0))
+    pauses = [f for f in faults if f.kind == "lease_store_pause"]
+    malformed = [f for f in faults if f.kind == "malformed"]
+    assert pauses and all(f.seconds > 3.0 for f in pauses)
+    assert malformed and all(f.variant in MALFORMED for f in malformed)
+    assert {f.server for f in faults if f.kind in ("redis_restart", "redis_pause")} <= {"main", "leases"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from redis.retry import Retry
 from celery_leases import (Claim, Code, CorruptRecord, LeaseError, LeaseLost, LeaseStore,
                            LeaseUnavailable)
 from tests.redis_server import free_port
+from tests.skew import skewed_env
 
 TTL = 5.0          #: seconds; long enough that a lease is live for the whole test
 SHORT = 0.1        #: seconds; a ttl the test waits out
@@ -1103,15 +1103,11 @@ print(json.dumps(out))
 @pytest.mark.parametrize("offset", ["-5h", "+7h"])
 def test_a_worker_whose_clock_is_hours_off_gets_server_clock_deadlines(
         redis_server_url, key_prefix, offset):
-    # Given a worker process whose clock is hours off (libfaketime)
-    faketime = shutil.which("faketime")
-    if faketime is None:
-        pytest.skip("faketime is not installed (apt-get install faketime)")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Given a worker process whose clock is hours off (libfaketime; tests/skew.py)
+    env = skewed_env(offset, {**os.environ, "PYTHONPATH": str(REPO)})
 
     # When it acquires, renews and then stops renewing a 0.6 s lease
-    done = subprocess.run([faketime, "-f", offset, sys.executable, "-c", SKEW_CHILD,
-                           redis_server_url, key_prefix],
+    done = subprocess.run([sys.executable, "-c", SKEW_CHILD, redis_server_url, key_prefix],
                           capture_output=True, text=True, timeout=60, env=env, check=False)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
