@@ -14,18 +14,23 @@ classes (docs/celery.md, "Errors at receipt"):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any, Callable
 
 from .exceptions import LeaseError
 
 __all__ = ["MalformedMessage", "Throttled", "validate_message", "DeliveryWindow",
-           "requeue_delay", "REQUEUES_HEADER", "usable_id", "describe", "eta_after"]
+           "requeue_delay", "REQUEUES_HEADER", "DUE_HEADER", "local_eta", "usable_id", "describe", "eta_after"]
 
 #: Header of a copy re-queued because the lease store was unreachable: how many
 #: times this delivery was re-queued so far (the backoff exponent).
 REQUEUES_HEADER = "lease_requeues"
+#: Header of such a copy: when it is due, in ms on the lease store's clock. Its
+#: ``eta`` header is on that clock too, but Celery compares an ETA with the
+#: receiving worker's wall clock: a leased worker translates this one instead
+#: (``local_eta``), so neither the sender's nor the receiver's clock matters.
+DUE_HEADER = "lease_due_ms"
 
 #: Largest integer a header may carry: Lua numbers are doubles, exact below 2^53.
 _MAX_INT = 2 ** 53
@@ -100,6 +105,7 @@ def validate_message(request: Any) -> None:
                                f"task id: {headers.get('id')!r}", field="id")
     _integer_header(request, headers, "lease_generation")
     _integer_header(request, headers, REQUEUES_HEADER)
+    _integer_header(request, headers, DUE_HEADER)
     _integer_header(request, request.request_dict, "retries")
     if not isinstance(message.body, (bytes, bytearray, str)):
         raise MalformedMessage(f"task {describe(request)}: the message body is not bytes: "
@@ -169,3 +175,20 @@ def requeue_delay(base: float, cap: float, requeues: int) -> float:
 def eta_after(now: datetime, seconds: float) -> str:
     """The ``eta`` header value (ISO 8601, UTC) ``seconds`` after ``now``."""
     return (now + timedelta(seconds=seconds)).isoformat()
+
+
+def local_eta(due_ms: int, server_now_ms: int, now: Callable[[], datetime] | None = None) -> datetime | None:
+    """This worker's wall-clock moment for ``due_ms`` on the store's clock; None once it passed.
+
+    The store's clock now is ``server_now_ms`` (clock.py's estimate): the
+    time left is measured on that clock, then laid on this worker's own, so a
+    worker whose wall clock is off by an hour still waits only the delay.
+    """
+    left = (int(due_ms) - int(server_now_ms)) / 1000.0
+    if left <= 0:
+        return None
+    return (now or _wall_now)() + timedelta(seconds=left)
+
+
+def _wall_now() -> datetime:
+    return datetime.now(timezone.utc)

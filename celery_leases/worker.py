@@ -33,8 +33,8 @@ from .codes import Code
 from .config import LeaseConfig, get_config
 from .exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from .heartbeat import Heartbeat, Held
-from .receipt import (REQUEUES_HEADER, DeliveryWindow, Throttled, describe, eta_after,
-                      requeue_delay, usable_id, validate_message)
+from .receipt import (DUE_HEADER, REQUEUES_HEADER, DeliveryWindow, Throttled, describe, eta_after,
+                      local_eta, requeue_delay, usable_id, validate_message)
 from .revokes import HeldRevokes, gate_backend, install_control_hook
 from .outage import Outage
 from .runtime import get_store, get_worker, set_worker
@@ -219,6 +219,7 @@ class LeaseWorker:
         """
         try:
             validate_message(request)
+            self._translate_due(request)
             config = self.task_config(request.task)
             wait = self.window.admit(request.id)
             if wait:
@@ -239,6 +240,23 @@ class LeaseWorker:
         except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
             request.__dict__.pop("_lease_inflight", None)
             self._acquire_failed(request, exc, due=False)
+
+    def _translate_due(self, request: Any) -> None:
+        """A copy re-queued by a worker (``lease_due_ms``): its ETA on this worker's wall clock.
+
+        Runs before Celery schedules the ETA (``task_received`` comes first in
+        its strategy). Without a reading of the store's clock (never answered
+        since start) the ``eta`` header stands as sent, on the store's clock.
+        """
+        due = (request.message.headers or {}).get(DUE_HEADER)
+        if due is None:
+            return
+        server_now = self.clock.estimate_ms()
+        if server_now is None:
+            return
+        eta = local_eta(due, server_now)
+        request._request_dict["eta"] = eta.isoformat() if eta is not None else None
+        request._eta = eta
 
     def _acquired(self, job: Job, result: Any) -> None:
         """An acquire sent by the acquirer is answered: settle it, then hand the task to its pool."""
@@ -402,7 +420,8 @@ class LeaseWorker:
         header), from ``leases_unavailable_retry_delay`` up to
         ``leases_unavailable_retry_max_delay``; ``delay`` overrides it (a full
         delivery window). The ETA is on the lease store's clock (ServerClock),
-        not this worker's wall clock.
+        not this worker's wall clock; the receiving worker lays it on its own
+        (``lease_due_ms``, ``_translate_due``).
         """
         message = request.message
         env = envelope_of(message)
@@ -416,6 +435,7 @@ class LeaseWorker:
             headers[REQUEUES_HEADER] = requeues + 1
         now, source = self.clock.now(read=not isinstance(exc, LeaseUnavailable))
         headers["eta"] = eta_after(now, delay)
+        headers[DUE_HEADER] = int(now.timestamp() * 1000 + delay * 1000)
         what = "postponed" if isinstance(exc, Throttled) else "lease store unreachable"
         request.request_dict["lease_skip"] = f"{what}, re-queued to run in {delay:g}s"
         try:
