@@ -272,6 +272,11 @@ def bench_rerun(url: str, client: redis.Redis, trials: int, log_dir: Path, clean
             raise RuntimeError(f"trial {trial + 1}: the task started in pid {first['pid']} "
                                f"(parent {first['ppid']}), not in a pool child of a bench worker")
         survivors = [w for w in pool if w is not victim]
+        # Killed once the store knows the body started (its start mark, batched by the
+        # heartbeat): only a running task is charged a recovery.
+        started_by = time.monotonic() + 5
+        while not getattr(store.get(res.id), "started", True) and time.monotonic() < started_by:
+            time.sleep(0.01)
 
         os.killpg(victim.pid, signal.SIGKILL)
         killed_at = time.time()

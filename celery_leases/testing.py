@@ -438,6 +438,16 @@ def make_stale(app: Any, task_id: str, attempts: int = 5) -> "RecoveryReport":
     if before.state != "active":
         raise ValueError(f"make_stale: the lease of task {task_id} is {before.state!r}; only an "
                          "active lease has an owner to make stale")
+    # A running owner's body is charged a recovery only once the store knows it
+    # started (the start mark its worker's heartbeat sends within milliseconds);
+    # a lease still not marked after a moment belongs to a task that only waits.
+    started_by = time.monotonic() + 2.0
+    while not before.started and time.monotonic() < started_by:
+        time.sleep(0.01)
+        current = store.get(task_id)
+        if current is None or current.state != "active" or current.token != before.token:
+            break
+        before = current
     report = RecoveryReport()
     for _ in range(attempts):
         store.expire_now(task_id)

@@ -20,8 +20,11 @@ def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
     assert data["meta"]["quick"] is True
     throughput = data["throughput"]
     assert throughput["plain"]["median_per_s"] > 0 and throughput["leased"]["median_per_s"] > 0
-    # Counted by the server, not timed: a leased no-op adds exactly acquire + finish.
-    assert data["commands"]["leased_scripts_per_task"] == 2.0
+    # Counted by the server, not timed.
+    # acquire and finish; start marks are batched and sent only for tasks still running
+    # 25 ms after they started: a few hundredths on a quiet machine, more under load,
+    # never one per task
+    assert 2.0 <= data["commands"]["leased_scripts_per_task"] <= 2.2
     assert data["commands"]["plain_scripts_per_task"] == 0.0
     assert [row["leases"] for row in data["heartbeat"]] == [1, 10, 100]
     assert data["targets"]["1 renew call per heartbeat tick (1, 10, 100 leases)"]["result"] == "PASS"

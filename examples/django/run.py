@@ -6,7 +6,8 @@ Loads ``proj/celery.py`` (the app configured from ``proj/settings.py`` with the
 
 - every ``leases_*`` setting in effect, under its Django name, with where its
   value came from (the settings module, or the default);
-- the beat schedule (the ``celery_leases.recover`` entry ``install()`` added);
+- the beat schedule (the ``celery_leases.recover`` entry ``install()`` adds when the
+  workers run no recovery of their own);
 - the leased tasks and the lease settings each one gets (task options win);
 - with ``$REDIS_URL`` set, whether the lease store answers there (what a worker
   checks at start).
@@ -70,8 +71,11 @@ def main() -> int:
         print("  " + "  ".join(v.ljust(w) for v, w in zip(row, width)).rstrip())
 
     print("\nbeat schedule:")
-    for name, entry in app.conf.beat_schedule.items():
+    for name, entry in (app.conf.beat_schedule or {}).items():
         print(f"  {name}: task {entry['task']} every {float(entry['schedule']):g}s")
+    if "celery_leases.recover" not in (app.conf.beat_schedule or {}):
+        print("  (no celery_leases.recover entry: the workers run the recovery passes, "
+              "CELERY_LEASES_WORKER_RECOVERY)")
 
     print("\nleased tasks (a task's lease_* options win over the settings):")
     for name in sorted(app.tasks):
