@@ -35,7 +35,7 @@ EX_UNAVAILABLE = 69
 STATE_CHOICES = (*STATES, "finished", "all")
 #: Lifetime counters of ``LeaseStore.stats()`` (docs/design.md), shown as 0 until they first move.
 COUNTERS = ("acquired", "taken_over", "busy_deliveries", "stale_deliveries", "recovered", "dead",
-            "stalled", "refused", "retried", "succeeded", "failed", "revoked", "reasserted")
+            "stalled", "refused", "retried", "succeeded", "failed", "revoked", "reasserted", "rerun")
 
 
 class NotFound(LeaseError):

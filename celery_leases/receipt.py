@@ -19,6 +19,7 @@ from time import monotonic
 from typing import Any, Callable
 
 from .exceptions import LeaseError
+from .publish import MAX_PUBLISH_ID, PUBLISH_HEADER
 
 __all__ = ["MalformedMessage", "Throttled", "validate_message", "DeliveryWindow",
            "requeue_delay", "REQUEUES_HEADER", "DUE_HEADER", "local_eta", "usable_id", "describe", "eta_after"]
@@ -40,7 +41,7 @@ class MalformedMessage(LeaseError):
     """Raised when a delivery of a leased task cannot be leased as it is (bad id, header, body).
 
     ``field`` names the part of the message at fault (``id``, ``headers``,
-    ``lease_generation``, ``retries``, ``body``, ``envelope``).
+    ``lease_generation``, ``retries``, ``lease_publish``, ``body``, ``envelope``).
     """
 
     def __init__(self, message: str, field: str = "") -> None:
@@ -107,6 +108,12 @@ def validate_message(request: Any) -> None:
     _integer_header(request, headers, REQUEUES_HEADER)
     _integer_header(request, headers, DUE_HEADER)
     _integer_header(request, request.request_dict, "retries")
+    publish = headers.get(PUBLISH_HEADER)
+    if publish is not None and not (isinstance(publish, str) and 0 < len(publish) <= MAX_PUBLISH_ID
+                                    and publish.isascii() and publish.isalnum()):
+        raise MalformedMessage(f"task {describe(request)}: header {PUBLISH_HEADER} must be 1 to "
+                               f"{MAX_PUBLISH_ID} ASCII letters or digits, got {publish!r}",
+                               field=PUBLISH_HEADER)
     if not isinstance(message.body, (bytes, bytearray, str)):
         raise MalformedMessage(f"task {describe(request)}: the message body is not bytes: "
                                f"{type(message.body).__name__}", field="body")

@@ -380,23 +380,26 @@ class LeaseStore:
     def acquire(self, task_id: str, owner: str, *, ttl: float | None = None,
                 generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                 progress_timeout: float = 0, name: str = "", body: bytes = b"",
-                envelope: Mapping | None = None, reassert: int = 0) -> Acquisition:
+                envelope: Mapping | None = None, reassert: int = 0, publish: str = "") -> Acquisition:
         """Try to become the owner of ``task_id``'s lease for one delivery of its message.
 
         ``reassert``: the token of a lease the caller holds but whose record has
         vanished (a failover lost the write that created it): the record is
         re-created with that token, or LOST comes back if another record exists.
+        ``publish``: the message's publish id (publish.py): a new one runs a
+        finished (succeeded or failed) task again; a copy of an earlier one is STALE.
         """
         keys, args = self.acquire_args(
             task_id, owner, ttl=ttl, generation=generation, attempt=attempt,
             max_recoveries=max_recoveries, progress_timeout=progress_timeout, name=name,
-            body=body, envelope=envelope, reassert=reassert)
+            body=body, envelope=envelope, reassert=reassert, publish=publish)
         return acquisition_of(self._run(scripts.acquire, keys, args, f"task {task_id}, key {keys[0]}"))
 
     def acquire_args(self, task_id: str, owner: str, *, ttl: float | None = None,
                       generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                       progress_timeout: float = 0, name: str = "", body: bytes = b"",
-                      envelope: Mapping | None = None, reassert: int = 0) -> tuple[list, list]:
+                      envelope: Mapping | None = None, reassert: int = 0,
+                      publish: str = "") -> tuple[list, list]:
         """KEYS and ARGV of acquire.lua (for a caller that sends the script itself: the worker's acquirer)."""
         key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
         return ([key, shard.deadlines, shard.sequence, shard.stats, self.keys.message(task_id)],
@@ -404,7 +407,7 @@ class LeaseStore:
                  self.max_recoveries if max_recoveries is None else int(max_recoveries),
                  _ms(progress_timeout), name, body,
                  _compact_json(envelope) if envelope is not None else "",
-                 _ms(self.retention), self._clock_tokens, int(reassert)])
+                 _ms(self.retention), self._clock_tokens, int(reassert), publish or ""])
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,

@@ -17,6 +17,7 @@ from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
+from . import publish  # noqa: F401 - stamps each publish with its own id (publish.py)
 from . import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
 from .callbacks import send_callbacks
 from .codes import Code
@@ -35,7 +36,7 @@ logger = logging.getLogger("celery_leases.task")
 # (Celery 5.7's push_request copies the request's __dict__ into a new Context,
 # whose custom headers are every key Context does not declare).
 for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable",
-              "_lease_handle", "lease_expires_at"):
+              "_lease_handle", "lease_expires_at", "lease_publish"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
 

@@ -40,6 +40,7 @@ from .outage import Outage
 from .runtime import get_store, get_worker, set_worker
 from .scripts import scripts
 from .clock import server_clock
+from .publish import PUBLISH_HEADER
 from .signals import delivery_refused, lease_acquired, lease_lost
 from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured, wait_for_store
 from .store import Acquisition
@@ -208,7 +209,8 @@ class LeaseWorker:
                     attempt=int(request_dict.get("retries") or 0),
                     max_recoveries=config.max_recoveries,
                     progress_timeout=config.progress_timeout or 0, name=request.task.name,
-                    body=message.body, envelope=envelope_of(message))
+                    body=message.body, envelope=envelope_of(message),
+                    publish=(message.headers or {}).get(PUBLISH_HEADER) or "")
 
     def on_received(self, request: Any) -> None:
         """``task_received`` of a leased task: acquire, or decide now that it must not run.

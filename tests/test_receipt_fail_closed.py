@@ -56,6 +56,8 @@ MALFORMED = [
     ("retries not a number", {"retries": "x"}),
     ("retries float", {"retries": 0.5}),
     ("lease_requeues not a number", {"lease_requeues": "x"}),
+    ("lease_publish not a string", {"lease_publish": 7}),
+    ("lease_publish with a space", {"lease_publish": "ab cd"}),
 ]
 
 
@@ -107,16 +109,17 @@ def test_malformed_messages_are_parked_and_ordinary_tasks_run_once_with_their_ow
              what="every malformed delivery to be parked")
     parked = store.parked(limit=1000)
     fields = {p.field for p in parked}
-    assert {"id", "lease_generation", "retries", "lease_requeues"} <= fields, fields
+    assert {"id", "lease_generation", "retries", "lease_requeues", "lease_publish"} <= fields, fields
     by_id = {p.task_id: p for p in parked}
     for task_id in bad_ids:
         # A usable id is parked under itself; a bad id's delivery under its repr.
         if task_id in by_id:
-            assert by_id[task_id].field in ("lease_generation", "retries", "lease_requeues")
+            assert by_id[task_id].field in ("lease_generation", "retries", "lease_requeues", "lease_publish")
             assert by_id[task_id].field in by_id[task_id].reason
     assert repr(None) in by_id and repr(1.5) in by_id and repr("bad-\ud800-id") in by_id
     log = worker.log()
     assert "header lease_generation must be a non-negative integer, got 'abc'" in log
+    assert "header lease_publish must be 1 to 64 ASCII letters or digits, got 'ab cd'" in log
     assert "the task id is not a string: 1.5" in log
     # ... and the worker holds no request it will never run (no prefetch slot kept), the
     # ETA one included once its ETA passed

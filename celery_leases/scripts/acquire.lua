@@ -7,6 +7,10 @@
   has expired and no recovery has claimed it yet (a take-over, counted as a
   recovery only if its body had started, see mark_started.lua; an unstarted one
   is bounded by unstarted_limit). Older copies of the message are stale.
+  A finished (succeeded or failed) record is run again by a new publish of the
+  task id: a delivery whose publish id is neither the record's nor one of the
+  earlier ones it remembers (the last 16, fields "p:0".."p:15"); a copy of a
+  publish that already held the lease is refused as before (publish.py).
   A task revoked while an owner ran it (revoke.lua left revoke_requested) is never run
   again: the delivery that would have been the next owner ends the lease revoked.
 
@@ -32,14 +36,15 @@
              an owner whose renewal found no record (a failover lost the write that
              created it): the record is re-created as it was, and refused (LOST) if
              any record exists that the caller does not hold
+    ARGV[14] optional: publish id carried by the message ('' when none)
 
   Output: {code, token, generation, recoveries, state}, or {CORRUPT, key, field, detail}
     ACQUIRED    the caller owns the lease with the new token
     TAKEN_OVER  the caller owns the lease; the previous owner had expired
     BUSY        a live owner holds the lease (token is theirs)
-    FINISHED    the record is terminal (state says which), or was revoked while an
-                owner ran it and is now terminal revoked
-    STALE       the message is an older copy than the record
+    FINISHED    the record is terminal (state says which) and the message is not a new
+                publish, or was revoked while an owner ran it and is now terminal revoked
+    STALE       the message is an older copy than the record, or a copy of an earlier publish
     DEAD        taking over would pass max recoveries: the record is now dead
     LOST        (re-assert only) a record exists and the caller does not hold it
     CORRUPT     the record, the deadline index, the token sequence or the message hash is
@@ -57,11 +62,23 @@ if not (ttl and msg_gen and msg_attempt and max_recoveries and progress_timeout)
 end
 
 -- Everything this script depends on is read and validated before anything is written.
-local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
-                            'revoke_requested', 'started', 'unstarted_recoveries'},
+local PUBLISHES = 16 -- earlier publish ids remembered, one small field each (p:0..p:15, ring by pn)
+local read = {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
+              'revoke_requested', 'started', 'unstarted_recoveries', 'pub', 'pn'}
+for i = 0, PUBLISHES - 1 do read[#read + 1] = 'p:' .. i end
+local rec, bad = load(key, read,
                       {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested',
-                       'unstarted_recoveries'}, {'token'})
+                       'unstarted_recoveries', 'pn'}, {'token'})
 if bad then return bad end
+local pub = ARGV[14] or ''
+-- A copy of a publish that held this lease before the current one: never run it again.
+local function earlier_publish()
+  if pub == '' then return false end
+  for i = 0, PUBLISHES - 1 do
+    if rec['p:' .. i] == pub then return true end
+  end
+  return false
+end
 -- The deadline read doubles as the index's type check.
 local indexed = redis.pcall('ZSCORE', deadlines, task_id)
 if wrong_type(indexed) then
@@ -97,6 +114,17 @@ if reassert and reassert > 0 then
     return {7, token, generation, recoveries, state}
   end
   count(stats, 'reasserted', 1)
+elseif state and earlier_publish() then
+  count(stats, 'stale_deliveries', 1)
+  return {5, token, generation, recoveries, state}
+elseif state and (state == 'succeeded' or state == 'failed') and pub ~= '' and pub ~= (rec.pub or '')
+    and not rec.revoke_requested then
+  -- A new publish of a finished task id (a frozen signature applied again): a new run,
+  -- as plain Celery runs it. Tokens and generation keep growing; the recovery budget
+  -- starts again, since it is this run's.
+  recoveries, unstarted_recoveries = 0, 0
+  redis.call('HDEL', key, 'finished_at')
+  count(stats, 'rerun', 1)
 elseif state then
   if state == 'succeeded' or state == 'failed' or state == 'revoked' or state == 'dead' then
     return {4, token, generation, recoveries, state}
@@ -196,6 +224,18 @@ local fields = {
   'acquired_at', now, 'name', ARGV[8], 'unstarted', '0', 'max_recoveries', max_recoveries,
   'started', started, 'unstarted_recoveries', unstarted_recoveries,
   history_fields(key, num(rec, key, 'hn'), tok .. '@' .. owner .. '@' .. string.format('%d', now))}
+if not (reassert and reassert > 0) then
+  -- The publish this delivery belongs to; the one before it joins the remembered ones.
+  fields[#fields + 1] = 'pub'
+  fields[#fields + 1] = pub
+  if rec.pub and rec.pub ~= '' and rec.pub ~= pub then
+    local pn = num(rec, key, 'pn')
+    fields[#fields + 1] = 'p:' .. (pn % PUBLISHES)
+    fields[#fields + 1] = rec.pub
+    fields[#fields + 1] = 'pn'
+    fields[#fields + 1] = pn + 1
+  end
+end
 redis.call('HSET', key, unpack(fields))
 if ARGV[9] ~= '' then
   redis.call('HSET', message, 'body', ARGV[9], 'envelope', ARGV[10])

@@ -1,0 +1,37 @@
+"""Each publish of a task carries its own id (header ``lease_publish``).
+
+A task id whose record is finished may arrive again for two reasons that look
+alike at receipt: a copy of the message that already ran (kombu's restore of
+an unacked message, a visibility-timeout redelivery, a late recovered copy)
+and a new publish under the same id (a frozen signature or chord applied
+again, ``apply_async(task_id=...)``). Plain Celery runs the second and so
+must a leased task; the first must stay refused. This header tells them
+apart: Celery's publish (``before_task_publish``) stamps a new one each time,
+while every copy of a message keeps it (kombu restores the message as it
+was; recovery, the worker's delayed re-queue and ``celery leases replay``
+re-publish its stored headers through ``publish_raw``, past this hook).
+A delivery without it (a producer that never imported celery-leases) is
+refused as a duplicate when the record is finished, as before.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery.signals import before_task_publish
+
+#: Message header holding the publish id: 16 hex digits, random per publish.
+PUBLISH_HEADER = "lease_publish"
+#: Longest publish id a delivery may carry (the store keeps them in small hash fields).
+MAX_PUBLISH_ID = 64
+
+
+def new_publish_id() -> str:
+    return os.urandom(8).hex()
+
+
+@before_task_publish.connect(weak=False, dispatch_uid="celery_leases.publish_id")
+def stamp_publish_id(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
+    """Give every publish of a task message its own id (cheap: 8 random bytes)."""
+    if isinstance(headers, dict):
+        headers[PUBLISH_HEADER] = new_publish_id()
