@@ -1338,3 +1338,17 @@ def test_finish_with_an_unknown_outcome_is_a_value_error_naming_the_task(store):
     # Then the error names the outcome, and the lease is untouched
     assert "exploded" in str(bad.value)
     assert store.get("t1").state == "active"
+
+
+def test_only_a_first_attempt_of_a_new_publish_runs_a_finished_task_again(store):
+    # Given a task that succeeded under publish p1
+    acq = store.acquire("t-rerun", "w1", publish="p1")
+    store.finish("t-rerun", "w1", acq.token, "succeeded")
+    # When old copies of a retry or of a recovery arrive, their publish ids long forgotten
+    for copy in ({"attempt": 1}, {"generation": 1}):
+        # Then they never start the finished task again
+        assert store.acquire("t-rerun", "w2", publish="forgotten", **copy).code is Code.FINISHED
+    # And a copy of p1 itself is refused, while a new publish (p2) runs it again
+    assert store.acquire("t-rerun", "w2", publish="p1").code is Code.FINISHED
+    again = store.acquire("t-rerun", "w2", publish="p2")
+    assert again.owned and again.token > acq.token

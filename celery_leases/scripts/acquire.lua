@@ -8,9 +8,10 @@
   recovery only if its body had started, see mark_started.lua; an unstarted one
   is bounded by unstarted_limit). Older copies of the message are stale.
   A finished (succeeded or failed) record is run again by a new publish of the
-  task id: a delivery whose publish id is neither the record's nor one of the
-  earlier ones it remembers (the last 16, fields "p:0".."p:15"); a copy of a
-  publish that already held the lease is refused as before (publish.py).
+  task id: a first attempt (generation 0, retries 0) whose publish id is neither
+  the record's nor one of the earlier ones it remembers (the last 16, fields
+  "p:0".."p:15"); a copy of a publish that already held the lease is refused as
+  before (publish.py).
   A task revoked while an owner ran it (revoke.lua left revoke_requested) is never run
   again: the delivery that would have been the next owner ends the lease revoked.
 
@@ -118,7 +119,9 @@ elseif state and earlier_publish() then
   count(stats, 'stale_deliveries', 1)
   return {5, token, generation, recoveries, state}
 elseif state and (state == 'succeeded' or state == 'failed') and pub ~= '' and pub ~= (rec.pub or '')
-    and not rec.revoke_requested then
+    and msg_gen == 0 and msg_attempt == 0 and not rec.revoke_requested then
+  -- (Only a first delivery of a first attempt: a retry's or a recovery's copy, however
+  -- old, never starts a finished task again, even past the remembered publishes.)
   -- A new publish of a finished task id (a frozen signature applied again): a new run,
   -- as plain Celery runs it. Tokens and generation keep growing; the recovery budget
   -- starts again, since it is this run's.
