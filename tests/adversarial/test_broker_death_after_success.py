@@ -35,7 +35,7 @@ def scenario(directory, long: bool = False) -> Counts:
             broker.start()
             time.sleep(2.0)
         run.mark_fault_end()
-        counts = run.settle(timeout=40, quiet=3.0)
+        counts = run.settle(timeout=60, quiet=3.0)  # the consumer reconnects with growing pauses
         callbacks = [e["task"] for e in run.history() if e["ev"] == "callback"]
         counts.extra["callbacks missing"] = sum(1 for p in parents if p not in callbacks)
         counts.extra["callbacks duplicated"] = sum(1 for p in parents if callbacks.count(p) > 1)
