@@ -230,4 +230,4 @@ def test_once_across_a_recovery_with_real_workers(pool, client_app, start_worker
     # And the task's accepted outcome stays B's
     record = store.get(result.id)
     assert record.state == "succeeded" and record.token == token_b
-    assert "refused" in a.log()
+    wait_for(lambda: "refused" in a.log(), 10, what="A's log to say its outcome was refused")

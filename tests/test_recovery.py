@@ -142,10 +142,12 @@ def test_recoverer_dying_between_claim_and_publish_is_covered_by_the_next_pass(
     a = start_worker("a", LEASES_TEST_TTL="1")
     result = client_app.signature(f"{TASKS}.sleep_then_echo", ("again", 0.5)).delay()
     wait_for(lambda: runs(history, result.id), 10, what="A to start")
-    a.kill()
     store = celery_leases.LeaseStore.from_url(client_app.conf.leases_redis_url,
                                               prefix=client_app.conf.leases_key_prefix,
                                               ttl=1, publish_grace=1.0)
+    # (killed once its start mark is in: only a running task is charged a recovery)
+    wait_for(lambda: store.get(result.id).started, 5, what="A's start mark")
+    a.kill()
     wait_for(lambda: store.expired(), 5, what="the lease to expire")
 
     def crash(claim):
