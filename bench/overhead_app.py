@@ -4,9 +4,15 @@ Workers import it as ``bench.overhead_app`` (``PYTHONPATH`` = the repository
 root); the benchmark builds its client side with ``create_app(env)`` from the
 same variables:
 
-LEASES_BENCH_BROKER: Redis URL of the broker, the result backend and the leases;
+LEASES_BENCH_BROKER: Redis URL of the broker and the result backend;
+LEASES_BENCH_LEASES: Redis URL of the lease store (default: the broker's);
 LEASES_BENCH_PREFIX: lease key prefix, also the queue name;
-LEASES_BENCH_TTL / LEASES_BENCH_HEARTBEAT_INTERVAL: lease ttl and heartbeat, seconds.
+LEASES_BENCH_TTL / LEASES_BENCH_HEARTBEAT_INTERVAL: lease ttl and heartbeat, seconds;
+LEASES_BENCH_DELIVERY_TIMEOUT: publish tracking, seconds (default 600, the package's
+default; 0 turns it off); it changes only what a publisher does;
+LEASES_BENCH_PROFILE: a directory: the worker's main thread and each prefork pool
+process run under cProfile (CPU time of the thread) and write ``main-PID.prof`` / ``pool-PID.prof`` there
+when they exit (``python -m pstats FILE``).
 
 Everything else is Celery's default (prefetch multiplier 4, results stored,
 acks early), except ``leases_worker_recovery=False`` (no recovery loop runs in
@@ -20,14 +26,9 @@ import time
 from typing import Mapping
 
 from celery import Celery
-from celery.signals import worker_ready
 
 from bench._common import bench_app, client_for
 from celery_leases import LeasedTask
-
-#: Written to the worker's stderr (its log) once it consumes; the benchmark waits for it.
-READY_LINE = b"overhead-bench worker ready.\n"
-
 
 def create_app(env: Mapping[str, str]) -> Celery:
     get = env.get
@@ -36,12 +37,14 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_ttl=float(get("LEASES_BENCH_TTL", "600")),
         leases_heartbeat_interval=float(get("LEASES_BENCH_HEARTBEAT_INTERVAL", "200")),
         leases_worker_recovery=False,
+        # The default users get: each publish is recorded in the lease store (publish tracking).
+        leases_delivery_timeout=float(get("LEASES_BENCH_DELIVERY_TIMEOUT", "600")),
         # No remote control: its reply queues expire, and kombu then refreshes their
         # bindings with Lua scripts of its own every few seconds, which would be
         # counted with the lease scripts. Nothing per task changes.
         worker_enable_remote_control=False,
     )
-    prefix, broker = app.conf["leases_key_prefix"], app.conf["leases_redis_url"]
+    prefix, broker = app.conf["leases_key_prefix"], app.conf.broker_url
     stop_key = f"{{{prefix}}}:bench-stop"
 
     @app.task(name="bench.noop", shared=False)
@@ -63,10 +66,32 @@ def create_app(env: Mapping[str, str]) -> Celery:
     return app
 
 
-@worker_ready.connect
-def _announce_ready(**kwargs) -> None:
-    # At the default log level Celery's own "ready." line is not logged.
-    os.write(2, READY_LINE)
+def _profile(directory: str) -> None:
+    """cProfile the worker's main thread (from its init to its shutdown) and each prefork
+    pool process (from its init to its exit), one file each in ``directory``."""
+    import cProfile
+    from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
+
+    profiles: dict = {}
+
+    def start(kind: str) -> None:
+        # CPU time of the profiled thread, not wall time: on a shared machine a process
+        # waits for a CPU after most system calls, and wall time would charge that to them.
+        profiles[kind] = cProfile.Profile(time.thread_time)
+        profiles[kind].enable()
+
+    def dump(kind: str) -> None:
+        profile = profiles.pop(kind, None)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(directory, f"{kind}-{os.getpid()}.prof"))
+
+    worker_init.connect(lambda **kw: start("main"), weak=False)
+    worker_shutdown.connect(lambda **kw: dump("main"), weak=False)
+    worker_process_init.connect(lambda **kw: start("pool"), weak=False)
+    worker_process_shutdown.connect(lambda **kw: dump("pool"), weak=False)
 
 
 app = create_app(os.environ)
+if os.environ.get("LEASES_BENCH_PROFILE"):
+    _profile(os.environ["LEASES_BENCH_PROFILE"])

@@ -37,7 +37,7 @@ What is measured:
   expired leases are made the way a worker makes them: N ``send_task``
   messages of a leased task are parked in a queue nobody consumes, read back
   with kombu (``Queue.get``, the same ``Message`` a worker receives), and
-  each is acquired with ``message.body`` and ``worker.envelope_of(message)``
+  each is acquired with ``message.body`` and ``messages.envelope_of(message)``
   as the worker's ``task_received`` hook does, by an owner that then never
   renews (a dead worker). After the ttl passed on the server clock the pass
   runs. The re-published copies land back in the parked queue; all N are
@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -74,13 +75,13 @@ import kombu  # noqa: E402
 
 import celery_leases  # noqa: E402
 from bench._common import (  # noqa: E402
-    Cleanup, delete_keys, delete_pattern, fmt_rate, git_state, markdown_table, redis_url, report,
+    Cleanup, bench_worker, delete_keys, delete_pattern, fmt_rate, git_state, markdown_table, redis_url, report,
     terminate, wait_until,
 )
 from bench.recovery_app import HOLD, NOOP, create_app, starts_key  # noqa: E402
 from celery_leases.config import get_config  # noqa: E402
-from celery_leases.worker import envelope_of  # noqa: E402
-from tests.workers import Worker  # noqa: E402
+from celery_leases.messages import envelope_of  # noqa: E402
+from celery_leases.testing import Worker  # noqa: E402
 
 #: Sizes of a full run and of a ``--quick`` smoke run.
 FULL = {"trials": 20, "n": 10_000, "rounds": 5, "warmup": 200}
@@ -97,21 +98,6 @@ RATIO_TARGET = 0.8
 #: The parked messages' arguments (a body of about 300 bytes), the same for send_task.
 PAYLOAD = "x" * 200
 DEAD_OWNER = "bench-dead-worker"
-
-
-# -- worker subprocesses --------------------------------------------------------
-
-class BenchWorker(Worker):
-    """tests/workers.py's Worker running bench.recovery_app with ``python -m celery``."""
-
-    def __init__(self, name: str, env: dict, log_dir: Path) -> None:
-        super().__init__(name, env, pool=POOL, concurrency=CONCURRENCY, app="bench.recovery_app",
-                         log_dir=log_dir)
-        node = f"{name}-{os.urandom(3).hex()}@%h"
-        # "-l info": Worker.start waits for Celery's "ready." line.
-        self.args = [sys.executable, "-m", "celery", "-A", "bench.recovery_app", "worker",
-                     "-P", POOL, "-c", str(CONCURRENCY), "-n", node, "-l", "info",
-                     "--without-mingle", "--without-gossip", "--without-heartbeat"]
 
 
 # -- helpers -----------------------------------------------------------------
@@ -142,12 +128,13 @@ def bench_env(url: str, prefix: str, worker_recovery: bool) -> dict[str, str]:
             "LEASES_BENCH_WORKER_RECOVERY": "1" if worker_recovery else "0"}
 
 
-def start_workers(names: list[str], env: dict, log_dir: Path) -> list[BenchWorker]:
+def start_workers(names: list[str], env: dict, log_dir: Path) -> list[Worker]:
     """Start workers in parallel; each is ready (consuming) on return."""
-    workers = [BenchWorker(name, env, log_dir) for name in names]
+    workers = [bench_worker(name, "bench.recovery_app", env, pool=POOL, concurrency=CONCURRENCY,
+                            log_dir=log_dir) for name in names]
     errors: list[BaseException] = []
 
-    def start(w: BenchWorker) -> None:
+    def start(w: Worker) -> None:
         try:
             w.start(timeout=60)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -236,7 +223,7 @@ def bench_rerun(url: str, client: redis.Redis, trials: int, log_dir: Path, clean
         app.close()
 
     cleanup.push(clean)
-    pool: list[BenchWorker] = []
+    pool: list[Worker] = []
 
     def stop_pool() -> None:
         for w in pool:
@@ -635,9 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"benchmark failed; worker logs kept in {log_dir}", file=sys.stderr)
         else:
-            for log in log_dir.glob("*.log"):
-                log.unlink()
-            log_dir.rmdir()
+            shutil.rmtree(log_dir, ignore_errors=True)  # worker logs and ready marks
 
     return report(results, targets, table(results, targets), args.json, args.strict)
 

@@ -9,7 +9,7 @@ or uses ``$REDIS_URL`` if set (then only keys under fresh prefixes are touched
 and deleted afterwards, and the memory and CPU figures, which are server-wide,
 also count the other clients of that server). ``--cluster`` starts a
 throwaway local Redis Cluster of three masters instead
-(``celery_leases.processes.RedisClusterServer``) and shards the store over
+(``celery_leases.testing.cluster.RedisClusterServer``) and shards the store over
 its slots (``LeaseStore(..., shards=N)``). Prints one Markdown table and
 writes the raw results as JSON (default ``bench/results-scale.json``, which
 git ignores). Exit status 1 when a target is missed.
@@ -83,8 +83,8 @@ import celery  # noqa: E402
 import kombu  # noqa: E402
 
 from celery_leases import LeaseStore, defaults  # noqa: E402
-from celery_leases.store import Claim  # noqa: E402
-from celery_leases.worker import envelope_of  # noqa: E402
+from celery_leases.protocol.records import Claim  # noqa: E402
+from celery_leases.messages import envelope_of  # noqa: E402
 from bench._common import (  # noqa: E402
     Cleanup, delete_keys, delete_pattern, git_state, markdown_table, redis_url, report, terminate,
 )
@@ -390,8 +390,8 @@ def recovery_round(client: Any, store: LeaseStore, dead: dict[str, dict[str, int
         inner(claim)
         publish_s += time.perf_counter() - t0
 
-    # A sharded store lists due leases shard by shard (_expired_by_shard) instead of expired().
-    phases = PhaseTimer(store, tuple(n for n in ("expired", "_expired_by_shard", "claim_expired",
+    # A sharded store lists due leases shard by shard (expired_by_shard) instead of expired().
+    phases = PhaseTimer(store, tuple(n for n in ("expired", "expired_by_shard", "claim_expired",
                                                    "mark_published") if hasattr(store, n)))
     cpu0 = redis_cpu_s(client)
     start = time.perf_counter()
@@ -531,9 +531,9 @@ def table(results: dict, targets: dict[str, dict]) -> str:
 def start_cluster(cleanup: Cleanup) -> tuple[Any, str]:
     """A throwaway local Redis Cluster of three masters, and a client of it."""
     try:
-        from celery_leases.processes import RedisClusterServer  # type: ignore[attr-defined]
+        from celery_leases.testing.cluster import RedisClusterServer
     except ImportError:
-        raise SystemExit("bench/scale.py --cluster: celery_leases.processes.RedisClusterServer is not "
+        raise SystemExit("bench/scale.py --cluster: celery_leases.testing.cluster.RedisClusterServer is not "
                          "available in this version of the package") from None
     cluster = RedisClusterServer(masters=3)
     cleanup.push(cluster.stop)

@@ -63,7 +63,7 @@ OWNER = "bench-worker-1"
 
 class CountingRedis(redis.Redis):
     """A client that counts the commands it sends: each is one round trip here (the
-    store's own connection, celery_leases/direct.py, counts its calls itself)."""
+    store's own connection, celery_leases/protocol/direct.py, counts its calls itself)."""
 
     round_trips = 0
 
@@ -222,10 +222,10 @@ def bench_commands(client: CountingRedis, n: int, reset: bool) -> dict:
 
     per_transition = {}
     for name, phase in (("acquire", acquire), ("renew_many", renew), ("finish", finish)):
-        direct = store._direct.calls if store._direct is not None else 0
+        direct = store.calls.direct.calls if store.calls.direct is not None else 0
         before, trips = command_stats(client), client.round_trips + direct
         phase()
-        direct = store._direct.calls if store._direct is not None else 0
+        direct = store.calls.direct.calls if store.calls.direct is not None else 0
         trips = client.round_trips + direct - trips
         delta = stats_delta(before, command_stats(client), own_prefixes=("config",))
         per_transition[name] = {

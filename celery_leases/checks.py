@@ -15,8 +15,9 @@ from typing import Any, Callable
 from redis.exceptions import RedisError, ResponseError
 
 from .config import LeaseConfig
-from .connection import scheme
-from .store import LeaseStore
+from .protocol.connection import scheme
+from .protocol.admin import other_layout
+from .protocol.store import LeaseStore
 
 logger = logging.getLogger("celery_leases.checks")
 
@@ -142,7 +143,7 @@ def check_persistence(app: Any, config: LeaseConfig, store: LeaseStore) -> list[
 
 def check_shards(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
     """Live leases written under another leases_shards are stranded: nobody renews or recovers them."""
-    other = store.other_layout()
+    other = other_layout(store)
     if other is None:
         return []
     count, indexed = other

@@ -13,6 +13,9 @@ RECOVERY_INTERVAL = 5.0
 MAX_RECOVERIES = 3
 #: Seconds a task may go without self.lease.heartbeat(); None disables the check.
 PROGRESS_TIMEOUT = None
+#: Seconds a task recorded at publish may stay undelivered (no worker acquired it) after it
+#: became due before recovery presumes the broker lost it and re-publishes it; None or 0: off.
+DELIVERY_TIMEOUT = 600.0
 #: Seconds finished records are kept so late duplicate deliveries are recognised.
 RETENTION = 86400.0
 #: Seconds a recovery claim waits for its publish to be confirmed before it is re-claimed.

@@ -30,9 +30,13 @@ class LeaseExpired(LeaseError):
 
     def __init__(self, task_id: str = "?", recoveries: int = 0):
         self.task_id, self.recoveries = task_id, recoveries
-        super().__init__(
-            f"task {task_id} was abandoned by its worker {recoveries} time(s) "
-            f"and reached leases_max_recoveries; it is dead")
+        # The args are what a result backend stores and rebuilds the exception from
+        # (``LeaseExpired(*args)``): the fields, not the text, or the text doubles.
+        super().__init__(task_id, recoveries)
+
+    def __str__(self) -> str:
+        return (f"task {self.task_id} was abandoned by its worker {self.recoveries} time(s) "
+                f"and reached leases_max_recoveries; it is dead")
 
     def __reduce__(self):
         return (self.__class__, (self.task_id, self.recoveries))

@@ -8,8 +8,16 @@ from celery.signals import beat_init
 
 from .config import LeaseConfig, client_config, get_config, validate_pending
 from .exceptions import ConfigurationError, LeaseError
-from .outage import Outage
-from .store import LeaseStore
+from .protocol.store import LeaseStore
+from .runtime import get_store
+from .signals import recovery_pass
+from . import tracking
+from .task import LeasedTask
+from .worker.outage import Outage
+# Importing it registers ``celery inspect leases`` (Celery's registry of remote-control commands is global).
+from .worker import control  # noqa: F401
+# Importing the steps also connects the task_received / worker_shutdown hooks.
+from .worker.steps import HeartbeatStep, LeaseConsumerStep, LeaseStep, RecoveryStep
 
 logger = logging.getLogger("celery_leases.install")
 
@@ -24,10 +32,6 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     ``app`` after this call a LeasedTask (tasks defined before keep their class;
     for those use ``base=LeasedTask`` or ``Celery(task_cls=...)``).
     """
-    from . import worker  # noqa: F401 - connects the task_received / worker_shutdown hooks
-    from .task import LeasedTask
-    from .worker import LeaseConsumerStep, LeaseStep
-
     if getattr(app, "_celery_leases_installed", False):
         return app
     if settings:
@@ -39,7 +43,8 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         client_config(app)
     else:
         validate_pending(app)
-    app.steps["worker"].add(LeaseStep)
+    tracking.install(app)
+    app.steps["worker"].update((LeaseStep, HeartbeatStep, RecoveryStep))
     app.steps["consumer"].add(LeaseConsumerStep)
     if all_tasks:
         base = app.Task
@@ -60,12 +65,15 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         try:
             if not store_.try_recovery_turn("beat", config.recovery_interval * 0.9):
                 outage.succeeded()
+                recovery_pass.send(sender=app, result="skipped", recoverer="beat")
                 return {"skipped": True}
             report = store_.recover().as_dict()
         except LeaseError as exc:
             outage.failed(exc)
+            recovery_pass.send(sender=app, result="failed", recoverer="beat")
             return {"failed": str(exc)}
         outage.succeeded()
+        recovery_pass.send(sender=app, result="ran", recoverer="beat")
         return report
 
     def add_beat_entry(*args: Any, **kwargs: Any) -> None:
@@ -105,5 +113,4 @@ def beat_entry_wanted(config: LeaseConfig) -> bool:
 
 def store(app: Any) -> LeaseStore:
     """The lease store of ``app`` in this process; ``.recover()`` re-publishes through the app."""
-    from .runtime import get_store
     return get_store(app)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from .exceptions import CorruptRecord, LeaseLost, LeaseUnavailable
 
 if TYPE_CHECKING:
-    from .store import LeaseStore
+    from .protocol.store import LeaseStore
 
 logger = logging.getLogger("celery_leases.task")
 

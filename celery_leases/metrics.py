@@ -26,16 +26,27 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
         "celery_leases.metrics needs the prometheus-client package: "
         "pip install 'celery-leases[prometheus]'") from exc
 
-from .signals import (callbacks_failed, delivery_parked, lease_acquired, lease_dead, lease_lost, lease_recovered,
-                      leases_renewed, stale_outcome_rejected)
+from .protocol.codes import OUTCOMES, Code
+from .signals import (callbacks_failed, delivery_parked, heartbeat_ticked, lease_acquired, lease_dead, lease_lost,
+                      lease_recovered, leases_renewed, recovery_pass, stale_outcome_rejected,
+                      undelivered_republished)
 
-__all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS"]
+__all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS", "RENEW_BUCKETS"]
 
 logger = logging.getLogger("celery_leases.metrics")
 
 #: Buckets (seconds) of the time-to-recovery histogram: a lease's ttl plus a
 #: recovery interval is the floor; long tasks that died late reach hours.
 TIME_TO_RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
+
+#: Buckets (seconds) of one renew call's latency: a healthy local Redis answers in a
+#: millisecond or two; past a second the heartbeat interval is at risk.
+RENEW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+#: Label values created at start, so that rate() and increase() see the first
+#: increment (a series born at 1 counts as no increase).
+LOST_REASONS = tuple(code.words for code in (Code.LOST, Code.STALLED, Code.MISSING))
+RECOVERY_PASS_RESULTS = ("ran", "skipped", "failed")
 
 _enabled: "weakref.WeakKeyDictionary[Any, LeaseMetrics]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -60,11 +71,34 @@ class LeaseMetrics:
                         "message), by the field that was corrupt.", ["field"], **kw)
         self.callbacks_failed = C("callbacks_failed", "Link callbacks and next chain steps of an "
                                   "accepted success not sent after every try.", **kw)
+        self.undelivered = C("undelivered_republished", "Queued tasks re-published because no worker "
+                             "acquired them within leases_delivery_timeout.", **kw)
         self.time_to_recovery = H(
             "time_to_recovery_seconds", "From the last owner's acquisition of the lease to its "
             "re-publication by a recovery pass.", buckets=TIME_TO_RECOVERY_BUCKETS, **kw)
+        self.renew_seconds = H(
+            "renew_seconds", "Latency of one heartbeat renew call (all held leases of one tick), "
+            "failed calls included.", buckets=RENEW_BUCKETS, **kw)
+        self.renew_failures = C("renew_failures", "Heartbeat ticks whose renew call failed (the store "
+                                "unreachable); their leases are tried again next tick.", **kw)
+        self.held = prometheus_client.Gauge(
+            "held", "Leases this worker holds (as of its last heartbeat tick).",
+            multiprocess_mode="livesum", **kw)
+        self.recovery_passes = C("recovery_passes", "Recovery passes due, by result: ran, skipped "
+                                 "(another recoverer took the interval), failed (the store did not "
+                                 "answer).", ["result"], **kw)
         self._collectors = [self.acquired, self.renewed, self.lost, self.recovered, self.dead,
-                            self.refused, self.parked, self.time_to_recovery, self.callbacks_failed]
+                            self.refused, self.parked, self.time_to_recovery, self.callbacks_failed,
+                            self.undelivered, self.renew_seconds, self.renew_failures, self.held,
+                            self.recovery_passes]
+        for value in ("true", "false"):
+            self.acquired.labels(taken_over=value)
+        for reason in LOST_REASONS:
+            self.lost.labels(reason=reason)
+        for outcome in OUTCOMES:
+            self.refused.labels(outcome=outcome)
+        for result in RECOVERY_PASS_RESULTS:
+            self.recovery_passes.labels(result=result)
         self._registry = registry
         self._receivers = [
             (lease_acquired, self._on_acquired), (leases_renewed, self._on_renewed),
@@ -72,6 +106,8 @@ class LeaseMetrics:
             (lease_dead, self._on_dead), (stale_outcome_rejected, self._on_refused),
             (delivery_parked, self._on_parked),
             (callbacks_failed, self._on_callback_failed),
+            (undelivered_republished, self._on_undelivered),
+            (heartbeat_ticked, self._on_tick), (recovery_pass, self._on_recovery_pass),
         ]
         for signal, receiver in self._receivers:
             signal.connect(receiver, weak=False)
@@ -122,10 +158,26 @@ class LeaseMetrics:
         if self._ours(sender):
             self.refused.labels(outcome=outcome or "unknown").inc()
 
+    def _on_undelivered(self, sender: Any = None, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.undelivered.inc()
+
     def _on_callback_failed(self, sender: Any = None, **kwargs: Any) -> None:
         if self._ours(sender):
             self.callbacks_failed.inc()
 
+    def _on_tick(self, sender: Any = None, held: int = 0, seconds: float | None = None,
+                 failed: bool = False, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.held.set(held)
+            if seconds is not None:
+                self.renew_seconds.observe(seconds)
+            if failed:
+                self.renew_failures.inc()
+
+    def _on_recovery_pass(self, sender: Any = None, result: str = "", **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.recovery_passes.labels(result=result or "unknown").inc()
 
     def _on_parked(self, sender: Any = None, field: str = "", **kwargs: Any) -> None:
         if self._ours(sender):
@@ -141,7 +193,11 @@ def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celer
     ``<namespace>_acquired_total{taken_over}``, ``_renewed_total``,
     ``_lost_total{reason}``, ``_recovered_total``, ``_dead_total``,
     ``_refused_total{outcome}``, ``_parked_total{field}``, ``_callbacks_failed_total``,
-    ``_time_to_recovery_seconds`` (histogram).
+    ``_undelivered_republished_total``, ``_renew_failures_total``,
+    ``_recovery_passes_total{result}``, ``_held`` (gauge),
+    ``_time_to_recovery_seconds`` and ``_renew_seconds`` (histograms). The known label
+    values (``taken_over``, the lost reasons, the refused outcomes, the pass results)
+    are exported at 0 from the start.
     """
     with _lock:
         metrics = _enabled.get(app)

@@ -16,25 +16,24 @@ from kombu import Queue
 
 from .config import client_config
 from .exceptions import DeliveryParked, LeaseError
+from .messages import publish_raw, request_of
 from .signals import delivery_parked
+from .protocol.store import LeaseStore
 
 __all__ = ["park_delivery"]
 
 logger = logging.getLogger("celery_leases.parking")
 
 
-def park_delivery(app: Any, task_id: str, reason: str, *, name: str = "", body: bytes = b"",
-                  envelope: Mapping | None = None, key: str = "", field: str = "",
+def park_delivery(app: Any, store: LeaseStore, task_id: str, reason: str, *, name: str = "",
+                  body: bytes = b"", envelope: Mapping | None = None, key: str = "", field: str = "",
                   exc: BaseException | None = None) -> None:
-    """Park one delivery of ``task_id``: store it, dead-letter it, fail its waiters, tell.
+    """Park one delivery of ``task_id``: store it in ``store``, dead-letter it, fail its waiters, tell.
 
     Each step goes on when another fails (each failure is logged naming the
     task): an unreachable lease store still leaves the dead-letter copy and the
     stored failure, so the delivery is never dropped without a word.
     """
-    from .recovery import Recoverer, publish_raw
-    from .runtime import get_store
-
     key = key or getattr(exc, "key", "") or ""
     field = field or getattr(exc, "field", "") or ""
     envelope = dict(envelope or {})
@@ -42,7 +41,7 @@ def park_delivery(app: Any, task_id: str, reason: str, *, name: str = "", body: 
     logger.error("task %s[%s] parked, not run: %s (key %s, field %s)%s", name or "?", task_id, reason,
                  key or "-", field or "-", f": {exc}" if exc is not None and str(exc) not in reason else "")
     try:
-        get_store(app).park(task_id, reason, name=name, body=body, envelope=envelope, key=key, field=field)
+        store.park(task_id, reason, name=name, body=body, envelope=envelope, key=key, field=field)
     except LeaseError as error:
         logger.error("task %s: the parked delivery could not be stored in the lease store "
                      "(it is only in the dead-letter queue, if one is set): %s", task_id, error)
@@ -56,9 +55,8 @@ def park_delivery(app: Any, task_id: str, reason: str, *, name: str = "", body: 
         except Exception as error:  # noqa: BLE001 - the parked entry (if stored) still has it
             logger.error("task %s: publishing the parked delivery to %s failed: %r", task_id, queue, error)
     failure = DeliveryParked(task_id, reason, key, field)
-    recoverer = Recoverer(app)
     try:
-        request = recoverer._request_of(task_id, name, body, envelope)
+        request = request_of(task_id, name, body, envelope)
         app.backend.mark_as_failure(task_id, failure, request=request)
     except Exception as error:  # noqa: BLE001 - logged; the entry stays listed
         logger.error("task %s: storing DeliveryParked in the result backend failed: %r", task_id, error)

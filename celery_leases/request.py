@@ -20,9 +20,9 @@ from celery.worker.state import revoked as revoked_tasks
 from celery.worker.state import task_ready
 
 from .exceptions import LeaseLost, LeaseUnavailable
-from .revokes import decided
+from .worker.revokes import decided
 from .runtime import get_worker
-from .settle import settle_finish
+from .protocol.settle import settle_finish
 from .signals import stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.worker")
@@ -60,7 +60,7 @@ class LeasedRequest(Request):
 
     def _lease_defer(self, pool: Any, kwargs: dict) -> bool:
         """True when the acquire at receipt is still under way: the task is handed to
-        the pool once its result is back (LeaseWorker._acquired)."""
+        the pool once its result is back (Receipt._acquired, worker/receipt.py)."""
         if self.__dict__.get("_lease_inflight"):
             self._lease_deferred = (pool, kwargs)
             return True
@@ -78,7 +78,7 @@ class LeasedRequest(Request):
         """
         worker = get_worker(self._app)
         if self.__dict__.get("_lease_pending") is not None and worker is not None:
-            worker.acquire_pending(self)
+            worker.receipt.acquire_pending(self)
         if self.__dict__.get("_lease_refused"):
             task_ready(self)
             self.acknowledge()
@@ -88,7 +88,7 @@ class LeasedRequest(Request):
                 and not self._request_dict.get("lease_skip")
                 and not self._request_dict.get("lease_unavailable")):
             # Receipt never reached a decision for this request: never run it unleased.
-            worker.park_unleased(self)
+            worker.receipt.park_unleased(self)
             task_ready(self)
             self.acknowledge()
             raise TaskRevokedError(f"task {self.id!r}: no lease was acquired at receipt")
@@ -188,17 +188,21 @@ class LeasedRequest(Request):
             # A revoke (terminate) ended it: the lease was revoked when Celery announced
             # it, or Celery announces it now (revoked first, then REVOKED stored).
             return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-        # (A Terminated left here was cancelled on a broker connection loss: a recovery case.)
-        lost_child = isinstance(exc, (WorkerLostError, Terminated)) or (
-            isinstance(exc, (SystemExit, KeyboardInterrupt))
-            and not (self._already_cancelled or self._already_revoked))
-        if lost_child:
+        # Celery cancelled the running task (the end of a cold or soft shutdown, a broker
+        # connection loss): its child ends Terminated, SystemExit or KeyboardInterrupt.
+        cancelled = self._already_cancelled and isinstance(exc, (Terminated, SystemExit, KeyboardInterrupt))
+        if isinstance(exc, (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)):
             # A recovery case, not a failure: waiters keep waiting for the re-run.
             released = worker.release({self.id: token})
-            logger.warning("task %s[%s]: pool process lost (%r); lease %s for recovery, "
-                           "no FAILURE stored", self.name, self.id, exc,
-                           "released" if released else "was no longer held")
+            logger.warning("task %s[%s]: %s (%r); lease %s for recovery, no FAILURE stored",
+                           self.name, self.id, "cancelled by Celery" if cancelled else "pool process lost",
+                           exc, "released" if released else "was no longer held")
             task_ready(self)
+            if cancelled:
+                # As in Celery, a cancelled acks_late message stays unacknowledged: the broker
+                # gives it back (kombu restores it when the channel closes at shutdown), and
+                # the released lease lets that copy acquire at once.
+                return None
             self._lease_settle_message(requeue=self.task.reject_on_worker_lost)
             return None
         if (not return_ok or isinstance(exc, TimeLimitExceeded)) and not self._lease_finish("failed", token):
@@ -231,10 +235,10 @@ class LeasedRequest(Request):
         worker = get_worker(self._app)
         if worker is None or not getattr(self.task, "leased", False):
             return super()._announce_revoked(reason, terminated, signum, expired)
-        worker.gate_revokes(self.task.backend)
+        worker.revokes.gate(self.task.backend)
         token = self.lease_token
-        if not worker.revoke(self.id, expired=expired, owner=self._request_dict.get("lease_owner") or "",
-                             token=token, name=self.name):
+        if not worker.revokes.revoke(self.id, expired=expired, owner=self._request_dict.get("lease_owner") or "",
+                                     token=token, name=self.name):
             # Finished (its result stays) or another owner runs it (its outcome stands).
             task_ready(self)
             self.acknowledge()
@@ -254,7 +258,7 @@ class LeasedRequest(Request):
                 raise
             if self.time_start:
                 # Running and not stoppable: its outcome stands, it never runs again.
-                worker.revoke(self.id, name=self.name)
+                worker.revokes.revoke(self.id, name=self.name)
                 raise
             # Handed to an in-process pool, not started: the gate revoked its lease when
             # Celery stored REVOKED, and on_accepted keeps the body from running.

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from .config import LeaseConfig, client_config
-from .connection import connect, redact, url_error
+from .protocol.connection import connect, redact, url_error
 from .exceptions import ConfigurationError
-from .store import LeaseStore
-
-if TYPE_CHECKING:
-    from .worker import LeaseWorker
+from .protocol.store import LeaseStore
+from .recovery import Recoverer
 
 _stores: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseStore]]" = weakref.WeakKeyDictionary()
-_workers: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseWorker]]" = weakref.WeakKeyDictionary()
+#: The worker's LeaseWorker (worker/service.py), typed Any: this module sits below the worker wiring.
+_workers: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
 
 
 def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
@@ -37,27 +36,40 @@ def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
                       recover_batch=config.recover_batch, shards=config.shards, **kwargs)
 
 
+#: Called with (app, store) for each store get_store builds: the layers above add their
+#: steps to its recovery passes this way (publish tracking, tracking.py), unseen from here.
+_store_hooks: list[Callable[[Any, LeaseStore], None]] = []
+
+
+def on_new_store(hook: Callable[[Any, LeaseStore], None]) -> None:
+    """Run ``hook(app, store)`` for every store get_store builds from now on."""
+    if hook not in _store_hooks:
+        _store_hooks.append(hook)
+
+
 def get_store(app: Any) -> LeaseStore:
     """This process's LeaseStore for ``app`` (with the app's recovery publisher bound)."""
     pid = os.getpid()
     entry = _stores.get(app)
     if entry is None or entry[0] != pid:
-        from .recovery import Recoverer
         recoverer = Recoverer(app)
         store = make_store(client_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead,
                            on_corrupt=recoverer.on_corrupt)
+        recoverer.store = store  # it parks, and reads held_for, through the store that calls it
+        for hook in _store_hooks:
+            hook(app, store)
         _stores[app] = entry = (pid, store)
     return entry[1]
 
 
-def set_worker(app: Any, worker: "LeaseWorker | None") -> None:
+def set_worker(app: Any, worker: Any) -> None:
     if worker is None:
         _workers.pop(app, None)
     else:
         _workers[app] = (os.getpid(), worker)
 
 
-def get_worker(app: Any) -> "LeaseWorker | None":
+def get_worker(app: Any) -> Any:
     """The LeaseWorker of this process (the worker's main process), else None."""
     entry = _workers.get(app)
     if entry is None or entry[0] != os.getpid():

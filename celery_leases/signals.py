@@ -35,3 +35,16 @@ delivery_parked = Signal(name="delivery_parked", providing_args={"task_id", "rea
 #: callback or next chain step could not be published after every retry:
 #: ``callback`` names it, ``error`` is the last error (the success stays stored).
 callbacks_failed = Signal(name="callbacks_failed", providing_args={"task_id", "callback", "error"})
+#: Sent by the recoverer for each queued task it re-published because no worker acquired
+#: it within leases_delivery_timeout (publish tracking): the broker lost it, or it is
+#: still waiting in a backlog longer than the timeout.
+undelivered_republished = Signal(name="undelivered_republished", providing_args={"task_id", "generation"})
+#: Sent in the worker's main process after every heartbeat tick: ``held`` leases the
+#: tick tried to renew (0: none held, no call made), ``seconds`` the renew call took
+#: (None when no call was made), ``failed`` True when the call failed (the store
+#: unreachable; the leases are tried again next tick).
+heartbeat_ticked = Signal(name="heartbeat_ticked", providing_args={"owner", "held", "seconds", "failed"})
+#: Sent wherever a recovery pass was due (a worker's fallback thread, beat's
+#: ``celery_leases.recover`` task): ``result`` is "ran", "skipped" (another recoverer
+#: took this interval) or "failed" (the store did not answer); ``recoverer`` names who.
+recovery_pass = Signal(name="recovery_pass", providing_args={"result", "recoverer"})

@@ -1,7 +1,7 @@
 """LeasedTask: the task class whose every outcome is guarded by its lease token.
 
 The lease itself is acquired in the worker's main process when the message is
-received (see worker.py); the token reaches the execution as
+received (see worker/receipt.py); the token reaches the execution as
 ``self.request.lease_token``. Here, in the process that runs the body, the
 owner's outcome is recorded in the store *before* it leaves ``__call__``:
 Celery sends link callbacks and chains before it writes the result, so a later
@@ -18,15 +18,16 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import publish  # noqa: F401 - stamps each publish with its own id (publish.py)
-from . import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
+from . import tracing
+from .worker import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
 from .callbacks import send_callbacks
-from .codes import Code
+from .protocol.codes import Code
 from .config import client_config, get_config, task_option_errors
 from .exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
 from .results import fused_write, mark_stored
 from .runtime import get_store, get_worker
-from .settle import settle_finish
+from .protocol.settle import settle_finish
 from .signals import delivery_refused, stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.task")
@@ -107,7 +108,7 @@ class LeasedTask(Task):
             return DETACHED  # type: ignore[return-value]
         handle = request.__dict__.get("_lease_handle")
         if handle is None or handle.token != token:
-            config = get_config(self.app).for_task(self)
+            config = self._lease_config()
             worker = get_worker(self.app)
             handle = Lease(request.id, request.lease_owner, int(token),
                            int(request.lease_generation or 0), get_store(self.app),
@@ -116,6 +117,15 @@ class LeasedTask(Task):
                            local_lost=worker.is_lost if worker is not None else None)
             request._lease_handle = handle
         return handle
+
+    def _lease_config(self) -> Any:
+        """This task's settings, built once per app config (validating the ``lease_*``
+        options reads every attribute of the class: too slow to do for every execution)."""
+        app_config = get_config(self.app)
+        cached = self.__dict__.get("_lease_config_cache")
+        if cached is None or cached[0] is not app_config:
+            cached = self._lease_config_cache = (app_config, app_config.for_task(self))
+        return cached[1]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -134,6 +144,7 @@ class LeasedTask(Task):
             raise self._unleased_error(request)
         lease = self.lease
         self._check_before_start(lease)
+        tracing.run_started(self, lease)   # returns at once unless tracing.enable() was called
         try:
             retval = super().__call__(*args, **kwargs)
         except Retry:

@@ -13,6 +13,9 @@ CHAOS_MODE               ``leases`` (LeasedTask, early ack) or ``plain`` (Celery
 CHAOS_REDIS_URL          ``redis://127.0.0.1:PORT``: broker db 0, results db 1,
                          leases db 2, sink db 3
 CHAOS_LEASES_URL         the lease store (default: CHAOS_REDIS_URL db 2)
+CHAOS_BROKER_URL         the broker (default: CHAOS_REDIS_URL db 0); the fault runs give it a
+                         redis-server of its own without persistence (the ``broker_loss`` fault)
+CHAOS_DELIVERY_TIMEOUT   leases_delivery_timeout (publish tracking), 10 s by default
 CHAOS_HISTORY_DIR        where each process appends its history
 CHAOS_WORKER             this worker's name in the history
 CHAOS_TTL                leases_ttl (heartbeat ttl/3, recovery every ttl/3)
@@ -80,7 +83,7 @@ def settings(env: Mapping[str, str]) -> dict:
         transport.update(visibility_timeout=float(env.get("CHAOS_VISIBILITY_TIMEOUT", "5")),
                          unacked_restore_interval=1, unacked_restore_throttle=1)
     return dict(
-        broker_url=f"{base}/{BROKER_DB}",
+        broker_url=env.get("CHAOS_BROKER_URL") or f"{base}/{BROKER_DB}",
         result_backend=f"{base}/{BACKEND_DB}",
         task_default_queue=QUEUE,
         task_acks_late=plain,
@@ -115,6 +118,9 @@ def settings(env: Mapping[str, str]) -> dict:
         leases_unavailable_retry_delay=1.0,
         leases_worker_recovery=True,
         leases_beat_schedule=False,
+        # Short, so tasks a broker_loss took are re-published within the run; a task only late
+        # behind the backlog gets a copy that acquire refuses as stale.
+        leases_delivery_timeout=float(env.get("CHAOS_DELIVERY_TIMEOUT", "10")),
     )
 
 

@@ -61,7 +61,7 @@ INVARIANTS = ("lost", "still_active", "double_accepted", "not_newest_token",
 
 #: Fault-log entries that count as injected faults.
 FAULT_KINDS = ("kill_worker", "kill_child", "stop_worker", "redis_restart", "redis_pause",
-               "restart_worker", "lease_store_pause", "malformed")
+               "restart_worker", "lease_store_pause", "malformed", "broker_loss")
 
 
 @dataclass
@@ -219,9 +219,10 @@ def _check_task(report: Report, leased: bool, task: dict, events: list[dict], me
         elif pending:
             report.add("still_active", task_id, "message still in the broker after settling")
         elif not any(e["ev"] == "received" for e in events):
-            # Before receipt no lease exists: this is the broker's at-least-once
-            # promise failing (Redis handed the message to a connection that had
-            # just died), which leases do not cover. Counted on its own row.
+            # The broker lost it before any worker received it (broker_loss, or Redis
+            # handed the message to a connection that had just died). Leases mode
+            # re-publishes it from its queued record (publish tracking), so there
+            # it is a broken promise like any loss. Counted on its own row.
             report.add("lost_before_receipt", task_id,
                        "never received by any worker, no message left in the broker: "
                        "lost by the broker before any worker could lease it")
@@ -397,10 +398,10 @@ def table(reports: Iterable[Report]) -> str:
                  "(SIGSTOP past the ttl,")
     lines.append("  a redelivery after visibility_timeout): the body runs again; what must never happen "
                  "is a second accepted outcome.")
-    lines.append("** a message the broker handed to a worker connection that had just died, before any worker "
-                 "received it:")
-    lines.append("   no lease exists yet, so this is the broker's at-least-once guarantee failing "
-                 "(docs/chaos.md); plain Celery is exposed the same way.")
+    lines.append("** never received by any worker, no message left in the broker: the broker lost it "
+                 "(broker_loss, or a message")
+    lines.append("   handed to a worker connection that had just died); leases mode re-publishes such "
+                 "tasks (publish tracking, docs/chaos.md).")
     return "\n".join(lines)
 
 

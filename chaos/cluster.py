@@ -1,4 +1,9 @@
-"""The processes a chaos run drives faults into: one Redis (AOF on) and N worker slots.
+"""The processes a chaos run drives faults into: Redis servers and N worker slots.
+
+The main Redis (AOF on) holds results and the sink, and the broker unless the
+broker has a server of its own (``separate_broker_redis``: no persistence, as a
+broker commonly runs; the ``broker_loss`` fault restarts it empty); the lease
+store may have its own too (``separate_lease_redis``).
 
 A *slot* is a place for one ``celery worker`` (even slots prefork, odd slots
 threads). A killed worker is replaced in its slot after a delay; a restarted
@@ -23,8 +28,8 @@ from typing import Any
 
 import redis
 
-from tests.redis_server import RedisServer, free_port
-from tests.workers import Worker
+from celery_leases.testing.servers import RedisServer, free_port
+from tests.support.workers import Worker
 
 logger = logging.getLogger("chaos.cluster")
 
@@ -57,6 +62,7 @@ class Cluster:
     def __init__(self, run_dir: Path, mode: str, workers: int, *, ttl: float = 3.0,
                  visibility_timeout: float = 5.0, prefetch: int = 2, appendonly: bool = True,
                  separate_lease_redis: bool = False, lease_appendonly: bool = False,
+                 separate_broker_redis: bool = False,
                  pools: list[tuple[str, int]] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.mode = mode
@@ -73,6 +79,9 @@ class Cluster:
                                         appendonly=lease_appendonly,
                                         extra_args=("--appendfsync", "everysec") if lease_appendonly else ())
                             if separate_lease_redis else None)
+        #: The broker on its own Redis without persistence (no AOF, no RDB): restarted empty.
+        self.broker_redis = (RedisServer(port=free_port(), dir=self.run_dir / "redis-broker")
+                             if separate_broker_redis else None)
         self.slots = [Slot(i, pool, c) for i, (pool, c) in enumerate(pools or pools_for(workers))]
         self.prefetch = prefetch
         self.visibility_timeout = visibility_timeout
@@ -96,7 +105,20 @@ class Cluster:
                "CHAOS_PREFETCH": str(self.prefetch)}
         if self.lease_redis is not None:
             env["CHAOS_LEASES_URL"] = f"redis://127.0.0.1:{self.lease_redis.port}/0"
+        if self.broker_redis is not None:
+            env["CHAOS_BROKER_URL"] = self.broker_url
         return env
+
+    @property
+    def broker_url(self) -> str:
+        from chaos.app import BROKER_DB
+        if self.broker_redis is not None:
+            return f"redis://127.0.0.1:{self.broker_redis.port}/0"
+        return f"{self.redis_base}/{BROKER_DB}"
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [s for s in (self.redis, self.lease_redis, self.broker_redis) if s is not None]
 
     def client_env(self) -> dict:
         """The harness's own env: same settings, no history."""
@@ -107,9 +129,8 @@ class Cluster:
     # -- lifecycle ------------------------------------------------------------
 
     def start(self) -> None:
-        self.redis.start()
-        if self.lease_redis is not None:
-            self.lease_redis.start()
+        for server in self.servers:
+            server.start()
         threads = [threading.Thread(target=self._start_slot, args=(slot,)) for slot in self.slots]
         [t.start() for t in threads]
         [t.join() for t in threads]
@@ -178,9 +199,8 @@ class Cluster:
                 except (ProcessLookupError, AssertionError):
                     pass
                 slot.worker.kill()
-        for server in (self.redis, self.lease_redis):
-            if server is not None:
-                server.stop()
+        for server in self.servers:
+            server.stop()
 
     # -- the fault log ----------------------------------------------------------
 
@@ -328,6 +348,58 @@ class Cluster:
         finally:
             self._redis_lock.release()
 
+    def broker_loss(self, down_for: float, hold: float = 1.5) -> None:
+        """SIGKILL the broker's own redis-server (no persistence), start it again empty: every
+        message waiting in it, and plain mode's unacked ones, is gone.
+
+        The workers that are up are held (SIGSTOP) for ``hold`` s first, less than the lease
+        ttl, so the submitter's tasks pile up in the queue as behind a busy pool: the loss
+        then takes waiting tasks, not only an empty queue."""
+        server = self.broker_redis
+        if server is None:
+            self._record("broker_loss", skipped="no broker server of its own")
+            return
+        if not self._redis_lock.acquire(blocking=False):
+            self._record("broker_loss", skipped="redis busy with another fault")
+            return
+        with self.lock:
+            held = [(s, s.worker) for s in self.slots if s.state == "up" and s.worker is not None]
+            for s, _ in held:
+                s.state = "stopped"
+        try:
+            for _, worker in held:
+                worker.signal(signal.SIGSTOP)
+            self._stopping.wait(hold)
+            waiting = self._queue_length(server)
+            self._record("broker_loss", port=server.port, seconds=down_for, waiting=waiting,
+                         held=[s.name for s, _ in held])
+            server.kill()
+            time.sleep(down_for)
+            server.start()
+            self._record("redis_started", port=server.port)
+        finally:
+            for s, worker in held:
+                try:
+                    worker.signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                with self.lock:
+                    if s.state == "stopped" and s.worker is worker:
+                        s.state = "up"
+            self._redis_lock.release()
+
+    @staticmethod
+    def _queue_length(server: RedisServer) -> int | None:
+        from chaos.app import QUEUE
+        try:
+            client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2)
+            try:
+                return int(client.llen(QUEUE))
+            finally:
+                client.close()
+        except redis.RedisError:
+            return None
+
     def server(self, name: str) -> RedisServer:
         """"main" (broker, results, sink) or "leases" (the lease store; main if it has none)."""
         return self.lease_redis if name == "leases" and self.lease_redis is not None else self.redis
@@ -384,10 +456,10 @@ class Cluster:
 
         from kombu import Connection
 
-        from chaos.app import BROKER_DB, QUEUE, TASK_NAME
+        from chaos.app import QUEUE, TASK_NAME
         from chaos.faults import MALFORMED
         ids = []
-        with Connection(f"{self.redis_base}/{BROKER_DB}", connect_timeout=3) as conn:
+        with Connection(self.broker_url, connect_timeout=3) as conn:
             producer = conn.Producer(serializer="json")
             for _ in range(copies):
                 headers = {"lang": "py", "task": TASK_NAME, "id": f"malformed-{uuid.uuid4().hex[:8]}",
@@ -410,12 +482,10 @@ class Cluster:
         for slot in self.slots:
             slot.wake.set()
         with self._redis_lock:
-            for server in (self.redis, self.lease_redis):
-                if server is not None and not server.running:
+            for server in self.servers:
+                if not server.running:
                     server.start()
-            for server in (self.redis, self.lease_redis):
-                if server is None:
-                    continue
+            for server in self.servers:
                 try:
                     client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=10)
                     client.execute_command("CLIENT", "UNPAUSE")

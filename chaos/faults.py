@@ -23,6 +23,7 @@ KINDS = {
     "restart_worker": 1,  # warm shutdown (SIGTERM), then start a new worker in the slot
     "lease_store_pause": 2,  # SIGSTOP the lease store's own redis-server past the ttl, then SIGCONT
     "malformed": 2,       # raw publishes a client could send: a bad id, non-integer headers
+    "broker_loss": 1,     # SIGKILL the broker's own redis-server (no persistence), start it empty
 }
 
 #: The malformed messages the ``malformed`` fault publishes (``Fault.variant`` names one):
@@ -53,7 +54,7 @@ class Fault:
     kind: str
     #: Worker slot (worker faults), else -1.
     slot: int = -1
-    #: Seconds the fault lasts (stop, pause), a killed worker stays down, or Redis stays down.
+    #: Seconds the fault lasts (stop, pause), a killed worker stays down, or a Redis stays down.
     seconds: float = 0.0
     #: redis_restart: "graceful" (SIGTERM, AOF flushed) or "crash" (SIGKILL);
     #: malformed: a key of MALFORMED.
@@ -147,6 +148,9 @@ def make_schedule(seed: int, duration: float, params: ScheduleParams) -> list[Fa
             fault = Fault(t, kind, variant=rng.choice(sorted(MALFORMED)), pick=rng.randrange(1, 4))
         elif kind == "restart_worker":
             fault = Fault(t, kind, slot)
+        elif kind == "broker_loss":
+            # Every message waiting in the broker (and plain mode's unacked ones) is gone.
+            fault = Fault(t, kind, seconds=round(rng.uniform(0.2, 1.0), 2))
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
         faults.append(fault)

@@ -2,8 +2,9 @@
 
 One run per mode, with the same seed, so the same workload and fault schedule:
 
-1. start two Redis servers (AOF on, ``appendfsync everysec``) on free ports, one for the
-   broker, results and sink, one for the lease store alone, and N workers;
+1. start three Redis servers on free ports: one for results and sink and one for the
+   lease store alone (AOF on, ``appendfsync everysec``), one for the broker alone
+   without persistence (the ``broker_loss`` fault restarts it empty), and N workers;
 2. submit the tasks evenly over the fault window while the fault
    schedule runs against the workers and Redis;
 3. at the end of the window, heal: resume stopped workers, unpause Redis, fill
@@ -91,7 +92,8 @@ def run_mode(config: RunConfig, mode: str, *, scenario: str = "faults") -> tuple
                           variant="graceful")]
     cluster = Cluster(run_dir, mode, config.workers, ttl=config.ttl,
                       visibility_timeout=config.visibility_timeout, prefetch=config.prefetch,
-                      separate_lease_redis=True, lease_appendonly=scenario == "faults")
+                      separate_lease_redis=True, lease_appendonly=scenario == "faults",
+                      separate_broker_redis=scenario == "faults")
     logger.info("chaos %s/%s seed %s: %d tasks, %d faults, %d workers, run dir %s", scenario, mode,
                 config.seed, len(tasks), len(schedule), config.workers, run_dir)
     app = submit_app = None
@@ -197,6 +199,8 @@ def apply_fault(cluster: Cluster, fault: Fault) -> None:
         cluster.publish_malformed(fault.variant, fault.pick)
     elif fault.kind == "restart_worker":
         cluster.restart_worker(fault.slot)
+    elif fault.kind == "broker_loss":
+        cluster.broker_loss(fault.seconds)
     elif fault.kind == "lease_redis_restart":
         assert cluster.lease_redis is not None
         cluster.redis_restart(fault.variant, fault.seconds, server=cluster.lease_redis)
@@ -208,8 +212,9 @@ def apply_fault(cluster: Cluster, fault: Fault) -> None:
 
 
 def _redis(app: Any, db: int) -> redis.Redis:
-    base = app.conf.broker_url.rsplit("/", 1)[0]
-    return redis.Redis.from_url(f"{base}/{db}", socket_timeout=10)
+    """A database of the main Redis (results, sink); BROKER_DB: the broker, wherever it is."""
+    url = app.conf.broker_url if db == BROKER_DB else f"{app.conf.result_backend.rsplit('/', 1)[0]}/{db}"
+    return redis.Redis.from_url(url, socket_timeout=10)
 
 
 def _finished(app: Any, mode: str, ids: list[str]) -> set[str]:

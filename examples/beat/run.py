@@ -35,7 +35,8 @@ try:
 except ImportError:      # run from a checkout without installing the package
     sys.path.insert(0, str(REPO))
     FROM_CHECKOUT = True
-from celery_leases.processes import Interrupts, Processes, RedisServerError, find_redis_server, free_port  # noqa: E402
+from celery_leases.testing.servers import RedisServerError, find_redis_server, free_port  # noqa: E402
+from celery_leases.testing.supervisor import Interrupts, Processes  # noqa: E402
 
 
 class Failed(Exception):
@@ -46,7 +47,7 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-# -- processes: celery_leases.processes, as in examples/quickstart/demo.py -----------
+# -- processes: celery_leases.testing.supervisor, as in examples/quickstart/demo.py ---------
 
 
 def redis_server_binary() -> str:

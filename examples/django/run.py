@@ -44,7 +44,7 @@ def main() -> int:
     from proj import settings
     from proj.celery import app
 
-    from celery_leases.config import TASK_OPTIONS, get_config
+    from celery_leases.config import SETTINGS, TASK_OPTIONS, get_config
 
     try:
         config = get_config(app)
@@ -55,7 +55,9 @@ def main() -> int:
 
     print("effective lease configuration (celery_leases.config.get_config(app)):\n")
     rows = [("setting", "value", "from")]
-    for f in dataclasses.fields(config):
+    # Only the settings: LeaseConfig also carries internal fields (which transport
+    # options setting was used, deferred worker errors) that are no setting of their own.
+    for f in (f for f in dataclasses.fields(config) if f.name in SETTINGS):
         name = f"CELERY_LEASES_{f.name.upper()}"
         value = getattr(config, f.name)
         if hasattr(settings, name):

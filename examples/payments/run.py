@@ -34,10 +34,9 @@ try:
 except ImportError:      # run from a checkout without installing the package
     sys.path.insert(0, str(REPO))
     FROM_CHECKOUT = True
-from celery_leases.processes import (  # noqa: E402
-    Interrupts, Processes, RedisServerError, find_redis_server, free_port,
-)
-from celery_leases.processes import wait_for as _wait_for  # noqa: E402
+from celery_leases.testing.servers import RedisServerError, find_redis_server, free_port  # noqa: E402
+from celery_leases.testing.supervisor import Interrupts, Processes  # noqa: E402
+from celery_leases.testing.servers import wait_for as _wait_for  # noqa: E402
 
 ORDER, AMOUNT = "order-1001", 4200
 TTL = 2.0          #: the app's leases_ttl

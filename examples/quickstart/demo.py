@@ -46,7 +46,28 @@ try:
 except ImportError:      # run from a checkout without installing the package
     sys.path.insert(0, str(REPO))
     FROM_CHECKOUT = True
-from celery_leases.processes import Interrupts, Processes, RedisServerError, find_redis_server, free_port  # noqa: E402
+
+
+def _standalone(name: str):
+    """celery_leases/testing/<name>.py loaded on its own: the package's __init__ is the pytest
+    plugin (it imports pytest), and the demo installs only the package, not the test extra.
+    Both modules use the standard library only."""
+    import importlib.util
+
+    origin = Path(celery_leases.__file__).resolve().parent / "testing" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_quickstart_{name}", origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+import celery_leases  # noqa: E402
+
+_servers, _supervisor = _standalone("servers"), _standalone("supervisor")
+RedisServerError, find_redis_server, free_port = (_servers.RedisServerError, _servers.find_redis_server,
+                                                  _servers.free_port)
+Interrupts, Processes = _supervisor.Interrupts, _supervisor.Processes
 
 TASK_SECONDS = 3.0       #: how long each task of the batch works
 REFRESH = 0.25           #: seconds between two looks at the lease store (and redraws on a terminal)
@@ -235,12 +256,13 @@ class Monitor:
     def workers_line(self) -> str:
         parts = []
         for name, status in self.procs.status.items():
-            if name == "redis":
+            if name in ("redis", "beat"):   # beat is no worker: it holds no lease
                 continue
             if status == "paused":
                 status = f"paused {time.monotonic() - self.paused_at.get(name, time.monotonic()):.1f}s"
             parts.append(f"{name} {status}")
-        return "workers: " + " · ".join(parts)
+        beat = self.procs.status.get("beat")
+        return "workers: " + " · ".join(parts) + (f"  (celery beat {beat})" if beat else "")
 
     def stats_line(self) -> str:
         keys = ("acquired", "recovered", "succeeded", "refused", "stale_deliveries")

@@ -167,19 +167,22 @@ def render(rows: list[Row], events: list[tuple[int, str]], origin: int, start: i
     items = [(f'<rect x="{{x}}" y="{{y}}" width="14" height="12" fill="{c}"/>', 18, f"worker {name}")
              for name, c in colour.items()]
     items.append(None)   # line break
-    items += [
+    marks = [
         ((f'<rect x="{{x}}" y="{{y}}" width="22" height="12" fill="{gray}" fill-opacity="0.25" '
-          f'stroke="{gray}" stroke-dasharray="3 2"/>'), 28, "killed, lease not yet run out"),
+          f'stroke="{gray}" stroke-dasharray="3 2"/>'), 28, "killed, lease not yet run out", "orphaned"),
         ('<rect x="{x}" y="{y}" width="22" height="12" fill="url(#hatch-legend)" stroke="#888"/>',
-         28, "paused"),
+         28, "paused", "paused"),
         (f'<rect x="{{x}}" y="{{y3}}" width="22" height="6" fill="{gray}" fill-opacity="0.45"/>', 28,
-         "resumed without the lease"),
-        ('<circle cx="{cx}" cy="{cy}" r="5.5" fill="#f28e2b"/>', 16, "recovered"),
+         "resumed without the lease", "stale"),
+        ('<circle cx="{cx}" cy="{cy}" r="5.5" fill="#f28e2b"/>', 16, "recovered", "recovered"),
         (('<g stroke="#d62728" stroke-width="3"><line x1="{x}" y1="{y}" x2="{x12}" y2="{y12}"/>'
-          '<line x1="{x}" y1="{y12}" x2="{x12}" y2="{y}"/></g>'), 18, "stale outcome refused"),
+          '<line x1="{x}" y1="{y12}" x2="{x12}" y2="{y}"/></g>'), 18, "stale outcome refused", "refused"),
         ('<path d="M{x},{cy} l4,5 l7,-10" fill="none" stroke="#222" stroke-width="2.5"/>', 16,
-         "outcome accepted"),
+         "outcome accepted", "accepted"),
     ]
+    # Only what this picture contains: a run without a refusal (or a kill) shows no such entry.
+    drawn = {seg.style for row in rows for seg in row.segments} | {m.kind for row in rows for m in row.marks}
+    items += [(shape, gap, text) for shape, gap, text, kind in marks if kind in drawn]
     lx, ly = left, top + row_h * len(rows) + 28
     for item in items:
         if item is None:

@@ -38,9 +38,9 @@ from typing import Any, Callable
 import redis
 
 from chaos.history import by_task, read_history
-from tests.redis_server import RedisServer, free_port
-from tests.skew import skewed_env
-from tests.workers import Worker
+from celery_leases.testing.servers import RedisServer, free_port
+from tests.support.skew import skewed_env
+from tests.support.workers import Worker
 
 READY = ("SUCCESS", "FAILURE", "REVOKED")
 APP = "tests.adversarial.app"

@@ -1,6 +1,6 @@
 """Issue #14 item 5 and "held": workers an hour fast and an hour slow (the ETA part needs H1's fix).
 
-Workers run under libfaketime with only the wall clock skewed (tests/skew.py).
+Workers run under libfaketime with only the wall clock skewed (tests/support/skew.py).
 
 1. Leases (held): given workers +1h, -1h and correct running tasks side by side; then
    every active lease's deadline is the Redis server's time plus the ttl, and each task
@@ -18,7 +18,7 @@ import sys
 import time
 
 from tests.adversarial.runner import Counts, Run, log_count, wait_until
-from tests.skew import skewed_env
+from tests.support.skew import skewed_env
 
 NAME = "skewed-clocks"
 DEPENDS = "H1 (re-queue ETAs from the Redis server clock); the lease part holds on main"
@@ -90,14 +90,14 @@ def test_a_skewed_process_sleeps_normally_and_its_wall_clock_is_off():
 def test_without_libfaketime_a_skew_test_skips_locally_and_fails_under_ci(monkeypatch):
     import pytest
 
-    import tests.skew
+    import tests.support.skew
     # Given no libfaketime anywhere
-    monkeypatch.setattr(tests.skew, "faketime_library", lambda: None)
+    monkeypatch.setattr(tests.support.skew, "faketime_library", lambda: None)
     # When a skew test asks for a skewed environment, Then it skips locally
     monkeypatch.delenv("CI", raising=False)
     with pytest.raises(pytest.skip.Exception):
-        tests.skew.skewed_env("+1h")
+        tests.support.skew.skewed_env("+1h")
     # And fails under CI, naming what to install
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="libfaketime"):
-        tests.skew.skewed_env("+1h")
+        tests.support.skew.skewed_env("+1h")

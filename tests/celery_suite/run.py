@@ -13,6 +13,7 @@ tests that fail only when leased. Exit status 1 when that list is not empty
     python -m tests.celery_suite.run                    # the full two files
     python -m tests.celery_suite.run -k test_retry      # a selection (pytest -k)
     python -m tests.celery_suite.run --sample           # the quick sample
+    python -m tests.celery_suite.run --mode leased-first  # leased; plain only for its failures
     python -m tests.celery_suite.run --mode leased t/integration/test_tasks.py::test_retry
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import xml.etree.ElementTree as ET
 from importlib.metadata import version
 from pathlib import Path
 
-from celery_leases.processes import RedisServer
+from celery_leases.testing.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".celery-suite"
@@ -92,6 +93,27 @@ def run(mode: str, tree: Path, redis_port: int, targets: list[str], keyword: str
     return (outcomes(out) if out.exists() else {}), elapsed
 
 
+def durations(junit: Path) -> dict[str, float]:
+    """{test id: seconds} of one run (call plus fixtures, as junit records it)."""
+    return {f"{case.get('classname')}::{case.get('name')}": float(case.get("time") or 0.0)
+            for case in ET.parse(junit).getroot().iter("testcase")}
+
+
+def slower_when_leased(plain: Path, leased: Path, top: int = 15) -> list[tuple[str, float, float]]:
+    """The tests whose leased run took longest over their plain run: (id, plain s, leased s)."""
+    before, after = durations(plain), durations(leased)
+    rows = [(t, before[t], s) for t, s in after.items() if t in before]
+    return sorted(rows, key=lambda row: row[2] - row[1], reverse=True)[:top]
+
+
+def node_id(test: str) -> str:
+    """A junit test id (``t.integration.test_canvas.test_chord::name``) as a pytest node id."""
+    classname, _, name = test.partition("::")
+    parts = classname.split(".")
+    module, rest = parts[:3], parts[3:]  # t.integration.<file>: every test file lives there
+    return "::".join(["/".join(module) + ".py", *rest, name])
+
+
 def outcomes(junit: Path) -> dict[str, str]:
     results = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -115,33 +137,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("targets", nargs="*", help=f"test files or ids (default: {' '.join(FILES)})")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     parser.add_argument("--sample", action="store_true", help="the quick sample (retry, chain, group, chord)")
-    parser.add_argument("--mode", choices=("both", "plain", "leased"), default="both")
+    parser.add_argument("--mode", choices=("both", "plain", "leased", "leased-first"), default="both",
+                        help="leased-first: the leased run, then plain only for the tests that "
+                             "failed leased (what make test's sample does: half the time)")
     args = parser.parse_args(argv)
     celery_version = version("celery")
     tree = sdist(celery_version)
     ensure_plugins()
     targets = args.targets or list(FILES)
     keyword = SAMPLE if args.sample else args.keyword
-    modes = ("plain", "leased") if args.mode == "both" else (args.mode,)
+    modes = {"both": ("plain", "leased"), "leased-first": ("leased", "plain")}.get(args.mode, (args.mode,))
+    lazy = args.mode == "leased-first"
     results: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="celery-suite-") as tmp:
+        walls: dict[str, float] = {}
         for mode in modes:
+            if lazy and mode == "plain":
+                # Only what failed leased is asked of plain Celery: does it fail there too?
+                failed = sorted(t for t, o in results["leased"].items() if o == "failed")
+                if not failed:
+                    results["plain"], walls["plain"] = {}, 0.0
+                    break
+                targets, keyword = [node_id(t) for t in failed], None
             # A fresh server per run: nothing of the plain run is left for the leased one.
             server = RedisServer(dir=Path(tmp) / mode).start()
             try:
+                # Kept in .celery-suite/ so a run's per-test times can be compared afterwards.
                 results[mode], elapsed = run(mode, tree, server.port, targets, keyword,
-                                             Path(tmp) / f"{mode}.xml")
+                                             CACHE / f"last-{mode}.xml")
+                walls[mode] = elapsed
             finally:
                 server.stop()
             print(f"\ncelery {celery_version} {mode}: {summary(results[mode])} in {elapsed / 60:.1f} min",
                   flush=True)
     status = 0
     for mode in modes:
-        if not results[mode]:
+        if not results.get(mode) and not (lazy and mode == "plain"):
             print(f"{mode}: no results (the run did not start?)")
             status = 1
     if len(modes) == 2 and status == 0:
         plain, leased = results["plain"], results["leased"]
+        if not lazy:
+            print(f"wall time leased/plain: {walls['leased'] / walls['plain']:.2f}")
+            print("slowest when leased (plain s -> leased s):")
+            for test, before, after in slower_when_leased(CACHE / "last-plain.xml",
+                                                          CACHE / "last-leased.xml"):
+                print(f"  {before:7.2f} -> {after:7.2f}  {test}")
         only_leased = sorted(t for t, o in leased.items() if o == "failed" and plain.get(t) != "failed")
         both = sorted(t for t, o in leased.items() if o == "failed" and plain.get(t) == "failed")
         if both:

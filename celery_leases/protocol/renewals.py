@@ -1,0 +1,119 @@
+"""The heartbeat's batch transitions: every lease a worker holds, one script call per shard.
+
+``renew_many`` (each heartbeat tick), ``release`` (a dead pool child's or a
+warm shutdown's leases made due now) and ``mark_started`` (bodies that began
+running). With several shards the per-shard calls go out pipelined: one round
+trip to a single server, one per master on a cluster (calls.py).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .calls import ms
+from .codes import Code
+from .records import raise_if_corrupt
+from .scripts import scripts
+
+if TYPE_CHECKING:
+    from .store import LeaseStore
+
+__all__ = ["renew_many", "release", "mark_started"]
+
+logger = logging.getLogger("celery_leases.store")
+
+
+def renew_many(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
+               check_progress: bool = False) -> dict[str, Code]:
+    """Renew leases ``owner`` holds, all with the same ``ttl``, in one call per shard.
+
+    Returns the leases not renewed, with why. ``check_progress`` enforces
+    progress deadlines (leases of tasks with a progress timeout). With
+    several shards the per-shard calls go out pipelined: one round trip to
+    a single server, one per master on a cluster.
+    """
+    if not leases:
+        return {}
+    # A large renewal allocates tens of thousands of short-lived objects; a
+    # cyclic GC pass triggered in the middle of it doubled its latency. The
+    # collection is deferred until the call is done (never skipped).
+    pause_gc = len(leases) >= 1000 and gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    try:
+        ttl_ms, progress = ms(store.ttl if ttl is None else ttl), 1 if check_progress else 0
+        calls = []
+        groups = store.keys.by_shard(leases) if store.shards > 1 else {0: list(leases)}
+        for index, task_ids in groups.items():
+            shard = store.keys.shard(index)
+            start = shard.record_prefix()
+            calls.append(([shard.deadlines, shard.stats, *(start + t for t in task_ids)],
+                          [owner, ttl_ms, progress, len(start), *(leases[t] for t in task_ids)]))
+        out: dict[str, Code] = {}
+        results = store.calls.run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}")
+        for task_ids, flat in zip(groups.values(), results):
+            if flat and flat[0] == Code.CORRUPT:
+                # The shard's deadline index itself: none of its leases can be renewed.
+                logger.error("lease heartbeat of %s: %s field %s %s; its %d lease(s) are not "
+                             "renewed", owner, flat[1].decode(), flat[2].decode(), flat[3].decode(),
+                             len(task_ids))
+                out.update(dict.fromkeys(task_ids, Code.CORRUPT))
+                continue
+            i = 0
+            while i < len(flat):
+                task_id, code = flat[i].decode(), Code(flat[i + 1])
+                out[task_id] = code
+                i += 2
+                if code is Code.CORRUPT:
+                    # One record: that task's lease is not renewed (lost); the rest were.
+                    logger.error("lease of task %s not renewed: its record %s field %s; it is "
+                                 "treated as lost and recovery parks it", task_id,
+                                 store.keys.record(task_id), flat[i].decode())
+                    i += 1
+        return out
+    finally:
+        if pause_gc:
+            gc.enable()
+
+
+def release(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
+    """Make these leases due now so they are recovered without waiting out the ttl.
+
+    ``unstarted`` marks leases whose task never ran (a warm shutdown's
+    prefetched messages): taking them over then counts no recovery.
+    """
+    if not leases:
+        return 0
+    calls = []
+    for index, task_ids in store.keys.by_shard(leases).items():
+        keys = [store.keys.shard(index).deadlines]
+        args: list[Any] = [owner, 1 if unstarted else 0]
+        for task_id in task_ids:
+            keys.append(store.keys.record(task_id))
+            args += [task_id, int(leases[task_id])]
+        calls.append((keys, args))
+    released = 0
+    for reply in store.calls.run_many(scripts.release, calls, f"{len(leases)} leases of {owner}"):
+        raise_if_corrupt(reply, f"releasing leases of {owner}")
+        released += int(reply[1])
+        for task_id, what in zip(reply[2::2], reply[3::2]):
+            logger.error("lease of task %s not released: its record %s field %s",
+                         task_id.decode(), store.keys.record(task_id.decode()), what.decode())
+    return released
+
+
+def mark_started(store: "LeaseStore", owner: str, leases: Mapping[str, int]) -> int:
+    """Record that the bodies of these leases started running; returns how many were marked.
+
+    Only a started lease counts a recovery when its owner dies: prefetched
+    tasks of a dead worker are not charged for its death (mark_started.lua).
+    """
+    if not leases:
+        return 0
+    calls = []
+    for index, task_ids in store.keys.by_shard(leases).items():
+        calls.append(([store.keys.shard(index).stats, *(store.keys.record(t) for t in task_ids)],
+                      [owner, *(int(leases[t]) for t in task_ids)]))
+    return sum(int(n) for n in store.calls.run_many(scripts.mark_started, calls,
+                                              f"start marks of {len(leases)} leases of {owner}"))

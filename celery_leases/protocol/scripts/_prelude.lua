@@ -1,0 +1,221 @@
+--[[
+  Shared prelude, prepended by celery_leases/protocol/scripts.py to every script.
+  Not a script of its own: it defines helpers only. Before it, scripts.py puts the
+  return codes of celery_leases/protocol/codes.py as named constants (local OK = 10,
+  local LOST = 7, ...: the Code enum is their only definition) and TERMINAL_STATES,
+  the set of terminal states.
+
+  now_ms()                   server clock in milliseconds (TIME), never a worker's
+  wrongtype(key, reply)      a pcall reply, or an error naming the key (a key of the wrong type)
+  read(key, fields...)       HMGET as a table keyed by field name
+  num(rec, key, field)       a numeric field or an error naming key and field
+  history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
+  corrupt(key, field, detail)  the CORRUPT reply {CORRUPT, key, field, detail}
+  wrong_type(reply)          true for a pcall reply that is WRONGTYPE (other errors are raised)
+  check_type(key, want)      nil when key is missing or of type want, else a CORRUPT reply
+                             (field "type"); checked before any write, since Redis does not
+                             roll back a script that fails half-way
+  load(key, fields, numeric, required)
+                             a record's fields (HMGET) as a table, validated: the key a hash,
+                             state (if read) a known state, each numeric field present a whole
+                             number, each required field present when the record exists, and
+                             a hash with any of the fields read but no state is corrupt. Returns rec, or nil and the
+                             CORRUPT reply naming key and field. Scripts load everything they
+                             depend on first, then write.
+  count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
+                             reason to refuse a task (the stats reads report it)
+  unstarted_limit(max)       recoveries allowed to a lease never marked started
+  is_terminal(state)         true for succeeded, failed, dead and revoked
+  end_lease(key, deadlines, message, task_id, state, now, retention, ...)
+                             write terminal ``state`` (and the extra field/value pairs
+                             ``...``): the holder, the deadline and the stored message go,
+                             the record is kept ``retention`` ms for late duplicates
+  reassert_record(key, seq, stats, task_id, owner, token, now)
+                             re-create a vanished record for the holder of ``token`` (a
+                             failover lost the write that created it) and raise the token
+                             sequence to it, so no later acquire hands out ``token`` or
+                             below again; nil, or the CORRUPT reply for a corrupt sequence
+  activate(key, deadlines, stats, message, lease, extra)
+                             write the active lease ``lease`` (a table: task_id, owner, token,
+                             now, ttl, generation, recoveries, attempt, progress_timeout, name,
+                             max_recoveries, started, unstarted_recoveries, hn, body, envelope;
+                             ``extra``: more field/value pairs), store the message when a body
+                             is given, index the deadline; acquire.lua and reassert.lua
+]]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function wrongtype(key, reply)
+  if type(reply) == 'table' and reply.err then
+    error({err = 'CORRUPT ' .. key .. ': ' .. reply.err})
+  end
+  return reply
+end
+
+local function read(key, ...)
+  local names = {...}
+  local values = wrongtype(key, redis.pcall('HMGET', key, unpack(names)))
+  local rec = {}
+  for i, name in ipairs(names) do rec[name] = values[i] end
+  return rec
+end
+
+local function num(rec, key, field)
+  local v = rec[field]
+  if v == false or v == nil then return 0 end
+  local n = tonumber(v)
+  if n == nil then
+    error({err = 'CORRUPT ' .. key .. ' field ' .. field .. ' is not a number: ' .. tostring(v)})
+  end
+  return n
+end
+
+local function history_fields(key, count, entry)
+  -- The last 16 owners, one small field each ("h:0".."h:15", ring by count),
+  -- so the record keeps Redis's compact hash encoding.
+  return 'h:' .. (count % 16), entry, 'hn', count + 1
+end
+
+local function corrupt(key, field, detail)
+  return {CORRUPT, key, field, detail}
+end
+
+local function wrong_type(reply)
+  -- True for a pcall reply that is WRONGTYPE; any other error is raised as it is.
+  if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'WRONGTYPE', 1, true) then return true end
+    error(reply)
+  end
+  return false
+end
+
+local function check_type(key, want)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= want then
+    return corrupt(key, 'type', 'is a ' .. t .. ', not a ' .. want)
+  end
+  return nil
+end
+
+local KNOWN_STATES = {queued = true, active = true, recovering = true, succeeded = true, failed = true,
+                      dead = true, revoked = true}
+
+local function whole(v)
+  local n = tonumber(v)
+  if n == nil or n ~= math.floor(n) or n ~= n or n == math.huge or n == -math.huge then return nil end
+  return n
+end
+
+local function load(key, fields, numeric, required)
+  local values = redis.pcall('HMGET', key, unpack(fields))
+  if wrong_type(values) then
+    return nil, corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
+  end
+  local rec = {}
+  for i, name in ipairs(fields) do rec[name] = values[i] end
+  local state = rec.state
+  if state then
+    if not KNOWN_STATES[state] then
+      return nil, corrupt(key, 'state', 'is ' .. string.format('%q', state) .. ', not a known state')
+    end
+    for _, name in ipairs(required or {}) do
+      if not rec[name] then return nil, corrupt(key, name, 'is missing') end
+    end
+  elseif rec.state == false then
+    -- Without a state, a hash holding any of the other fields read is a broken record
+    -- (a fresh task's key does not exist: all of them are missing, and no EXISTS is needed).
+    for i = 1, #fields do
+      if values[i] then return nil, corrupt(key, 'state', 'is missing') end
+    end
+  end
+  for _, name in ipairs(numeric or {}) do
+    local v = rec[name]
+    if v and not whole(v) then
+      return nil, corrupt(key, name, 'is not a number: ' .. string.format('%q', v))
+    end
+  end
+  return rec
+end
+
+local function count(stats, field, n)
+  local reply = redis.pcall('HINCRBY', stats, field, n)
+  if type(reply) == 'table' and reply.err and not (string.find(reply.err, 'WRONGTYPE', 1, true)
+      or string.find(reply.err, 'not an integer', 1, true)) then
+    error(reply) -- READONLY (a failover) and the like: the server's own error, not a corrupt counter
+  end
+end
+
+local function unstarted_limit(max_recoveries)
+  -- A lease never marked started (mark_started.lua) costs its task no recovery
+  -- when its worker dies: the task had probably only been prefetched. But its
+  -- start mark may have died with the worker (a body that kills its worker in
+  -- its first milliseconds), so these recoveries have a bound of their own,
+  -- larger than max_recoveries: prefetched innocents outlive a poison pill's
+  -- max_recoveries + 1 worker deaths, and nothing is recovered without end.
+  return 4 * (max_recoveries + 1)
+end
+
+local function is_terminal(state)
+  return TERMINAL_STATES[state] == true
+end
+
+local function end_lease(key, deadlines, message, task_id, state, now, retention, ...)
+  redis.call('HSET', key, 'state', state, 'finished_at', now, ...)
+  redis.call('HDEL', key, 'holder')
+  redis.call('DEL', message)
+  redis.call('ZREM', deadlines, task_id)
+  redis.call('PEXPIRE', key, retention)
+end
+
+local function reassert_record(key, seq, stats, task_id, owner, token, now)
+  local tok = string.format('%d', token)
+  local raw = redis.call('GET', seq)
+  if raw and not whole(raw) then return corrupt(seq, 'value', 'is not a number: ' .. string.format('%q', raw)) end
+  local seen = raw and whole(raw) or 0
+  if seen < token then redis.call('SET', seq, tok) end
+  redis.call('HSET', key, 'task_id', task_id, 'token', tok, 'owner', owner, 'acquired_at', now,
+             history_fields(key, 0, tok .. '@' .. owner .. '@' .. string.format('%d', now)))
+  count(stats, 'reasserted', 1)
+  return nil
+end
+
+-- The owner's guard of finish and hand_over: nil when (owner, token) holds the live lease
+-- (a vanished record is re-created for its holder first), else the reply to return.
+local function owner_guard(key, seq, stats, rec, current, task_id, owner, token, now)
+  if not rec.state then
+    if token <= 0 then return {MISSING, 0, ''} end
+    return reassert_record(key, seq, stats, task_id, owner, token, now)
+  elseif is_terminal(rec.state) then
+    if current ~= token then count(stats, 'refused', 1) end
+    return {FINISHED, current, rec.state}
+  elseif rec.state ~= 'active' or current ~= token or rec.owner ~= owner then
+    count(stats, 'refused', 1)
+    return {LOST, current, rec.state}
+  end
+  return nil
+end
+
+local function activate(key, deadlines, stats, message, l, extra)
+  local tok = string.format('%d', l.token)
+  local progress_deadline = 0
+  if l.progress_timeout > 0 then progress_deadline = l.now + l.progress_timeout end
+  local fields = {
+    'task_id', l.task_id, 'state', 'active', 'token', tok, 'owner', l.owner,
+    'holder', tok .. '@' .. l.owner, 'ttl', l.ttl, 'generation', l.generation,
+    'recoveries', l.recoveries, 'attempt', l.attempt,
+    'progress_timeout', l.progress_timeout, 'progress_deadline', progress_deadline,
+    'acquired_at', l.now, 'name', l.name, 'unstarted', '0', 'max_recoveries', l.max_recoveries,
+    'started', l.started, 'unstarted_recoveries', l.unstarted_recoveries,
+    history_fields(key, l.hn, tok .. '@' .. l.owner .. '@' .. string.format('%d', l.now))}
+  for _, v in ipairs(extra or {}) do fields[#fields + 1] = v end
+  redis.call('HSET', key, unpack(fields))
+  if l.body ~= '' then
+    redis.call('HSET', message, 'body', l.body, 'envelope', l.envelope)
+    redis.call('PERSIST', message)
+  end
+  redis.call('PERSIST', key)
+  redis.call('ZADD', deadlines, l.now + l.ttl, l.task_id)
+  count(stats, 'acquired', 1)
+end

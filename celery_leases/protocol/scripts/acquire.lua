@@ -1,0 +1,208 @@
+--[[
+  acquire: make the caller the owner of a task's lease, if it is the rightful owner.
+
+  A delivery is the rightful owner when there is no record yet, when it is the
+  recovered copy (its generation equals the record's while recovering), when it
+  is a later retry attempt than the record's, or when the previous owner's lease
+  has expired and no recovery has claimed it yet (a take-over, counted as a
+  recovery only if its body had started, see mark_started.lua; an unstarted one
+  is bounded by unstarted_limit). Older copies of the message are stale.
+  A finished (succeeded or failed) record is run again by a new publish of the
+  task id: a first attempt (generation 0, retries 0) whose publish id is neither
+  the record's nor one of the earlier ones it remembers (the last 16, fields
+  "p:0".."p:15"); a copy of a publish that already held the lease is refused as
+  before (publish.py).
+  A task revoked while an owner ran it (revoke.lua left revoke_requested) is never run
+  again: the delivery that would have been the next owner ends the lease revoked.
+  (An owner whose record vanished re-creates it with reassert.lua, not here.)
+
+  Input:
+    KEYS[1] record hash of the task
+    KEYS[2] deadlines sorted set
+    KEYS[3] token sequence counter
+    KEYS[4] stats hash
+    KEYS[5] message hash of the task (body, envelope)
+    KEYS[6] optional: queued index sorted set; a record queued at publish (enqueue.lua)
+            is acquired like a fresh one and leaves this index, as does a recovering one
+            (waiting there with publish tracking: mark_published.lua, hand_over.lua)
+    ARGV[1] task id
+    ARGV[2] owner (worker instance id)
+    ARGV[3] ttl in ms
+    ARGV[4] generation carried by the message (0 when none)
+    ARGV[5] attempt carried by the message (Celery's retries)
+    ARGV[6] max recoveries of this task (kept in the record for recovery passes)
+    ARGV[7] progress timeout in ms (0: off)
+    ARGV[8] task name
+    ARGV[9] message body ('' keeps the stored one)
+    ARGV[10] message envelope, JSON ('' keeps the stored one)
+    ARGV[11] retention in ms of a record that turns dead or revoked here
+    ARGV[12] 1 to draw the token no lower than the server clock in µs (sharded stores), 0 not to
+    ARGV[13] optional: publish id carried by the message ('' when none)
+
+  Output: {code, token, generation, recoveries, state}, or {CORRUPT, key, field, detail}
+    ACQUIRED    the caller owns the lease with the new token
+    TAKEN_OVER  the caller owns the lease; the previous owner had expired
+    BUSY        a live owner holds the lease (token is theirs)
+    FINISHED    the record is terminal (state says which) and the message is not a new
+                publish, or was revoked while an owner ran it and is now terminal revoked
+    STALE       the message is an older copy than the record, or a copy of an earlier publish
+    DEAD        taking over would pass max recoveries: the record is now dead
+    CORRUPT     the record, the deadline index, the token sequence or the message hash is
+                not what this protocol wrote (checked before anything is written)
+]]
+local key, deadlines, seq, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local task_id, owner = ARGV[1], ARGV[2]
+local ttl = tonumber(ARGV[3])
+local msg_gen, msg_attempt = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_recoveries = tonumber(ARGV[6])
+local progress_timeout = tonumber(ARGV[7])
+if not (ttl and msg_gen and msg_attempt and max_recoveries and progress_timeout) then
+  return redis.error_reply('ERR acquire: ttl, generation, attempt, max recoveries and progress '
+                           .. 'timeout must be numbers (task ' .. task_id .. ')')
+end
+
+-- Everything this script depends on is read and validated before anything is written.
+local PUBLISHES = 16 -- earlier publish ids remembered, one small field each (p:0..p:15, ring by pn)
+local read = {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
+              'revoke_requested', 'started', 'unstarted_recoveries', 'pub', 'pn'}
+local rec, bad = load(key, read,
+                      {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested',
+                       'unstarted_recoveries', 'pn'}, {'token'})
+if bad then return bad end
+local pub = ARGV[13] or ''
+-- A copy of a publish that held this lease before the current one: never run it again.
+-- (The remembered ids are read only when the record has some: pn counts those written, in
+-- p:0.. up to PUBLISHES, so most acquires read 13 fields, not 29.)
+local function earlier_publish()
+  if pub == '' then return false end
+  local n = math.min(tonumber(rec.pn) or 0, PUBLISHES)
+  if n == 0 then return false end
+  local names = {}
+  for i = 0, n - 1 do names[#names + 1] = 'p:' .. i end
+  for _, id in ipairs(redis.call('HMGET', key, unpack(names))) do
+    if id == pub then return true end
+  end
+  return false
+end
+-- The deadline read doubles as the index's type check.
+local indexed = redis.pcall('ZSCORE', deadlines, task_id)
+if wrong_type(indexed) then
+  return corrupt(deadlines, 'type', 'is not a sorted set (' .. redis.call('TYPE', deadlines).ok .. ')')
+end
+bad = ARGV[9] ~= '' and check_type(message, 'hash') or nil
+if bad then return bad end
+
+-- A task recorded at publish (enqueue.lua): acquired like a fresh record, out of the queued index;
+-- a recovering one may wait there too (a confirmed re-publish, a retry hand-over, with tracking).
+local queued = (rec.state == 'queued' or rec.state == 'recovering') and KEYS[6]
+if queued then
+  bad = check_type(KEYS[6], 'zset')
+  if bad then return bad end
+end
+
+local now = now_ms()
+local state = rec.state
+local token = num(rec, key, 'token')
+local generation = num(rec, key, 'generation')
+local recoveries = num(rec, key, 'recoveries')
+local attempt = num(rec, key, 'attempt')
+local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
+
+local code = ACQUIRED
+if state and earlier_publish() then
+  count(stats, 'stale_deliveries', 1)
+  return {STALE, token, generation, recoveries, state}
+elseif state and (state == 'succeeded' or state == 'failed') and pub ~= '' and pub ~= (rec.pub or '')
+    and msg_gen == 0 and msg_attempt == 0 and not rec.revoke_requested then
+  -- (Only a first delivery of a first attempt: a retry's or a recovery's copy, however
+  -- old, never starts a finished task again, even past the remembered publishes.)
+  -- A new publish of a finished task id (a frozen signature applied again): a new run,
+  -- as plain Celery runs it. Tokens and generation keep growing; the recovery budget
+  -- starts again, since it is this run's.
+  recoveries, unstarted_recoveries = 0, 0
+  redis.call('HDEL', key, 'finished_at')
+  count(stats, 'rerun', 1)
+elseif state then
+  if is_terminal(state) then
+    count(stats, 'finished_deliveries', 1)
+    return {FINISHED, token, generation, recoveries, state}
+  end
+  if msg_gen < generation or msg_attempt < attempt then
+    count(stats, 'stale_deliveries', 1)
+    return {STALE, token, generation, recoveries, state}
+  end
+  if rec.revoke_requested then
+    -- Revoked while an owner ran it: that owner may still finish, nobody runs it again.
+    local live = state == 'active' and msg_attempt == attempt and msg_gen == generation
+      and (tonumber(indexed) or 0) > now
+    if not live then
+      end_lease(key, deadlines, message, task_id, 'revoked', now, tonumber(ARGV[11]))
+      count(stats, 'revoked', 1)
+      return {FINISHED, token, generation, recoveries, 'revoked'}
+    end
+  end
+  if state == 'active' and msg_attempt == attempt and msg_gen == generation then
+    local deadline = tonumber(indexed)
+    if deadline and deadline > now then
+      count(stats, 'busy_deliveries', 1)
+      return {BUSY, token, generation, recoveries, state}
+    end
+    -- The owner stopped renewing and no recovery has claimed the lease yet.
+    -- As in claim_expired: only a lease whose body started counts a recovery.
+    local unmarked = rec.unstarted ~= '1' and rec.started == '0'
+    if unmarked then unstarted_recoveries = unstarted_recoveries + 1 end
+    if rec.unstarted == '1' then
+      code = TAKEN_OVER
+    elseif (unmarked and unstarted_recoveries > unstarted_limit(max_recoveries))
+        or (not unmarked and recoveries >= max_recoveries) then
+      end_lease(key, deadlines, message, task_id, 'dead', now, tonumber(ARGV[11]), 'owner', '')
+      count(stats, 'dead', 1)
+      return {DEAD, token, generation, recoveries, 'dead'}
+    elseif unmarked then
+      code = TAKEN_OVER
+    else
+      recoveries = recoveries + 1
+      code = TAKEN_OVER
+    end
+  end
+end
+
+-- The first write of this path, so a sequence that is not a counter is answered
+-- before anything is written (INCR fails on a wrong type or a non-integer).
+local new_token = redis.pcall('INCR', seq)
+if type(new_token) == 'table' and new_token.err then
+  if string.find(new_token.err, 'WRONGTYPE', 1, true) then
+    return corrupt(seq, 'type', 'is not a string (' .. redis.call('TYPE', seq).ok .. ')')
+  elseif string.find(new_token.err, 'not an integer', 1, true) then
+    return corrupt(seq, 'value', 'is not a counter: ' .. new_token.err)
+  end
+  return new_token -- READONLY (a failover), OOM, ...: the server's own error, nothing written
+end
+local floor = token + 1
+if ARGV[12] == '1' then
+  -- Each shard has its own sequence: tokens of different shards are ordered by
+  -- the masters' clocks instead (now in µs stays exact below 2^53 in Lua).
+  floor = math.max(floor, now * 1000)
+end
+if new_token < floor then
+  new_token = floor
+  redis.call('SET', seq, string.format('%d', new_token))
+end
+if msg_gen > generation then generation = msg_gen end
+
+-- The publish this delivery belongs to; the one before it joins the remembered ones.
+local extra = {'pub', pub}
+if rec.pub and rec.pub ~= '' and rec.pub ~= pub then
+  local pn = num(rec, key, 'pn')
+  for _, v in ipairs({'p:' .. (pn % PUBLISHES), rec.pub, 'pn', pn + 1}) do extra[#extra + 1] = v end
+end
+-- Not started until the worker says so (mark_started.lua): a prefetched task waits here.
+activate(key, deadlines, stats, message, {
+  task_id = task_id, owner = owner, token = new_token, now = now, ttl = ttl,
+  generation = generation, recoveries = recoveries, attempt = msg_attempt,
+  progress_timeout = progress_timeout, name = ARGV[8], max_recoveries = max_recoveries,
+  started = '0', unstarted_recoveries = unstarted_recoveries, hn = num(rec, key, 'hn'),
+  body = ARGV[9], envelope = ARGV[10]}, extra)
+if code == TAKEN_OVER then count(stats, 'taken_over', 1) end
+if queued then redis.call('ZREM', KEYS[6], task_id) end
+return {code, new_token, generation, recoveries, 'active'}

@@ -1,0 +1,89 @@
+--[[
+  finish: record the owner's terminal outcome; refused unless the caller still owns the lease.
+
+  The outcome (succeeded, failed, revoked) drops the deadline and the stored
+  message and keeps the record for the retention period, so a late duplicate
+  delivery is recognised. (A retry hands the lease over instead: hand_over.lua.)
+
+  Idempotent for its owner: the same finish sent again by the same owner and
+  token (its first reply was lost) answers OK and changes nothing, so a caller
+  that does not know whether its finish ran settles that by sending it again.
+  A caller that cannot wait for ever passes ARGV[6]: a copy that reaches the
+  server after that moment (a command buffered by a stalled server) is refused
+  as LATE and changes nothing, so once the caller has given up no copy can
+  apply the outcome behind its back.
+
+  A holder of token T finding no record (the store restarted empty, a failover
+  lost the write) re-asserts it (reassert_record in the prelude), then writes
+  the outcome (docs/redis-deployments.md).
+
+  Input:
+    KEYS[1] record hash of the task
+    KEYS[2] deadlines sorted set
+    KEYS[3] stats hash
+    KEYS[4] message hash of the task
+    KEYS[5] token sequence counter (raised by a re-assert)
+    ARGV[1] task id
+    ARGV[2] owner (worker instance id)
+    ARGV[3] token of the caller
+    ARGV[4] outcome: succeeded | failed | revoked
+    ARGV[5] retention in ms
+    ARGV[6] server-clock ms after which this finish must not apply (0: no limit)
+    KEYS[6] optional: a key written together with an accepted outcome
+            (a result-backend record: the outcome and its result then land
+            atomically, or neither does)
+    ARGV[7] optional, with KEYS[6]: value stored at KEYS[6] and published on the channel KEYS[6]
+    ARGV[8] optional, with KEYS[6]: seconds KEYS[6] lives (0: no expiry)
+
+  Output: {code, token, state}, or {CORRUPT, key, field, detail}
+    OK        the outcome was accepted (now, or by an earlier copy of this finish)
+    LOST      another owner's token is current, or the lease was released or recovered
+    FINISHED  the record was already terminal
+    MISSING   there is no record for this task id and the caller holds no token (a holder re-asserts)
+    LATE      the finish reached the server after ARGV[6]: nothing was changed
+    CORRUPT   the record, the deadline index or the token sequence is not what this
+              protocol wrote; nothing written
+]]
+local key, deadlines, stats, message, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local retention = tonumber(ARGV[5])
+local not_after = tonumber(ARGV[6]) or 0
+local result_key = KEYS[6]
+
+local function write_result()
+  if result_key then
+    local expires = tonumber(ARGV[8]) or 0
+    if expires > 0 then
+      redis.call('SET', result_key, ARGV[7], 'EX', expires)
+    else
+      redis.call('SET', result_key, ARGV[7])
+    end
+    redis.call('PUBLISH', result_key, ARGV[7])
+  end
+end
+
+local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
+if bad then return bad end
+bad = check_type(deadlines, 'zset') or check_type(seq, 'string')
+if bad then return bad end
+local now = now_ms()
+local current = num(rec, key, 'token')
+-- The same finish again (its first reply was lost): already applied, answer as then.
+if is_terminal(rec.state) and current == token and token > 0 and rec.state == outcome
+    and rec.owner == owner then
+  return {OK, current, rec.state}
+end
+if not_after > 0 and now > not_after then
+  count(stats, 'late_finishes', 1)
+  return {LATE, current, rec.state or ''}
+end
+if outcome ~= 'succeeded' and outcome ~= 'failed' and outcome ~= 'revoked' then
+  return redis.error_reply('ERR finish: unknown outcome ' .. tostring(outcome) .. ' for ' .. key)
+end
+bad = owner_guard(key, seq, stats, rec, current, task_id, owner, token, now)
+if bad then return bad end
+current = token
+end_lease(key, deadlines, message, task_id, outcome, now, retention)
+count(stats, outcome, 1)
+write_result()
+return {OK, current, outcome}

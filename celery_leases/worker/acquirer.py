@@ -1,0 +1,299 @@
+"""Acquire at receipt without waiting for Redis in the worker's event loop.
+
+Every message a worker receives passes through its main thread, one at a
+time; a blocking acquire there adds a Redis round trip to each. With an event
+loop, the acquire is sent on a connection of its own and the loop goes on; the
+reply is read when the loop sees the socket readable, several at once when
+several acquires went out together: acquires wait for company while that
+delays nothing (an earlier reply is still to come, or the pool (prefork, threads) has
+a task ready to start per process), for a few milliseconds at most. The task
+is not handed to its pool until its reply is in (``LeasedRequest`` defers
+it), so no body runs without a lease.
+
+redis-py opens the connection (TLS, AUTH, SELECT, Sentinel's current
+master); the commands and replies then go over its socket directly
+(protocol/wire.py), since one read may bring several replies.
+
+Everything here runs in the loop's thread: no locks, and no second thread
+competing with the loop for the GIL (a first version with a sending thread
+cost the loop more CPU than the round trip it saved).
+
+Not used where the loop thread runs task bodies (solo pool): a reply could
+then wait a whole body long, and the lease expire unrenewed meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import select
+from collections import deque
+from dataclasses import dataclass, field
+from time import monotonic
+from typing import Any, Callable
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from ..exceptions import LeaseError, LeaseUnavailable
+from ..protocol.codes import Code
+from ..protocol.direct import close_connection, open_connection, supported
+from ..protocol.errors import lease_error
+from ..protocol.wire import Incomplete, parse
+from .delivery import MalformedMessage
+
+logger = logging.getLogger("celery_leases.worker")
+
+
+@dataclass
+class Job:
+    """One acquire: the store's keyword arguments, and what to do with the result."""
+
+    call: dict
+    #: Called in the loop with an Acquisition or a LeaseError.
+    done: Callable[["Job", Any], None]
+    request: Any = None
+    #: Anything the callback needs (the worker keeps its config and epoch here).
+    context: dict = field(default_factory=dict)
+    #: The packed EVALSHA; a job is in flight only once this is set.
+    command: bytes = b""
+
+
+class Acquirer:
+    """Pipelined acquires on one dedicated connection, read back by the event loop."""
+
+    def __init__(self, store: Any, hub: Any, busy: Callable[[], bool] | None = None,
+                 max_hold: float = 0.005) -> None:
+        self.store, self.hub = store, hub
+        #: True while the pool has enough tasks ready to start: new acquires may
+        #: then wait (up to max_hold seconds) and go out together.
+        self.busy, self.max_hold = busy, max_hold
+        self._held_since = 0.0
+        self._timer: Any = None
+        self._conn: Any = None
+        self._sock: Any = None
+        self._fd: int | None = None
+        #: Bytes read and not yet parsed (a reply cut across reads).
+        self._buffer = bytearray()
+        #: Jobs whose commands were sent, in that order: the next reply is the first one's.
+        #: A job enters only with its packed command, so replies and jobs cannot drift apart.
+        self._sent: deque[Job] = deque()
+        #: Jobs packed and held until the replies still to come are in.
+        self._held: list[Job] = []
+        #: Commands sent, and the writes that sent them (several commands per write when busy).
+        self.sent = self.writes = 0
+
+    @classmethod
+    def supported(cls, store: Any) -> bool:
+        """One server behind a connection pool (plain, TLS, unix socket, Sentinel); not a cluster."""
+        return supported(store.client)
+
+    @property
+    def pending(self) -> int:
+        return len(self._sent) + len(self._held)
+
+    def requests(self) -> list:
+        """The requests whose acquire is held or awaits its reply."""
+        return [job.request for job in self._sent] + [job.request for job in self._held]
+
+    def submit(self, job: Job) -> None:
+        """Send the acquire; ``job.done`` runs when its reply is read.
+
+        Sent at once unless sending later delays nothing: while an earlier
+        acquire awaits its reply (as Nagle's algorithm does for TCP), or,
+        for at most ``max_hold`` seconds, while ``busy()`` says the pool has
+        enough tasks ready to start. What is held goes out in one write. An
+        idle worker waits no longer than before; a busy one makes fewer
+        system calls (one write and one read for several acquires).
+        """
+        try:
+            job.command = self.store.acquire_command(**job.call)
+        except Exception as exc:  # noqa: BLE001 - this job's own fault: it alone fails, nothing was sent
+            # (A job queued before its command was packed shifted every later
+            # reply onto the wrong job: issue #14.1.)
+            self._call(job, MalformedMessage(
+                f"task {job.call.get('task_id')!r}: its acquire cannot be sent to the lease store: "
+                f"{exc!r}", field="envelope" if isinstance(exc, (TypeError, ValueError)) else "id"))
+            return
+        if not self._held:
+            self._held_since = monotonic()
+        self._held.append(job)
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        """Send what is held, unless a reply is still to come or the pool can wait."""
+        if not self._held or self._sent:
+            return
+        if self.busy is not None and self.busy() and monotonic() - self._held_since < self.max_hold:
+            if self._timer is None:
+                self._timer = self.hub.call_later(self.max_hold, self._on_timer)
+            return
+        self._send_held()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._maybe_send()
+
+    def tick(self) -> None:
+        """Every loop iteration: a task may have started and the pool need more."""
+        self._maybe_send()
+
+    def _send_held(self) -> None:
+        jobs = self._held
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self._connection()
+            self._sock.sendall(b"".join([job.command for job in jobs]))
+        except Exception as exc:  # noqa: BLE001 - every waiting job learns why; none is dropped
+            self._fail_all(exc)
+            return
+        self._held = []
+        self._sent.extend(jobs)
+        self.sent += len(jobs)
+        self.writes += 1
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            # redis-py connects (TLS, AUTH, SELECT, Sentinel's master); from
+            # then on this socket is read and written here only.
+            conn = open_connection(self.store.client)
+            self._conn, self._sock = conn, conn._sock
+            self._fd = self._sock.fileno()
+            self._buffer.clear()
+        # The loop forgets its readers whenever the consumer restarts
+        # (hub.reset()); re-registering is a dict lookup.
+        if self._fd not in self.hub.readers:
+            self.hub.add_reader(self._fd, self.on_readable)
+        return self._conn
+
+    def on_readable(self, *args: Any) -> None:
+        """Read what has arrived and hand each complete reply to its job."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    raise RedisConnectionError(f"{self.store.description} closed the acquire connection")
+                buffer = self._buffer
+                buffer += data
+                pos = 0
+                while True:
+                    try:
+                        reply, after = parse(buffer, pos)
+                    except Incomplete:
+                        break
+                    if not self._sent:
+                        raise OutOfStep(f"acquire connection to {self.store.description}: "
+                                        f"reply without a request: {reply!r}")
+                    if not _is_acquire_reply(reply):
+                        # Not what acquire.lua answers: replies and jobs are out of
+                        # step, so no reply on this connection can be trusted.
+                        raise OutOfStep(f"acquire connection to {self.store.description}: "
+                                        f"reply {reply!r} is not an acquire reply (task "
+                                        f"{self._sent[0].call.get('task_id')!r})")
+                    pos = after
+                    self._deliver(self._sent.popleft(), reply)
+                del buffer[:pos]
+                # A TLS socket may hold decrypted bytes the poller cannot see.
+                if not self._sent or not getattr(sock, "pending", lambda: 0)():
+                    break
+        except Exception as exc:  # noqa: BLE001 - the connection is reset; waiting jobs fail over
+            self._fail_all(exc)
+        self._maybe_send()
+
+    def _deliver(self, job: Job, reply: Any) -> None:
+        try:
+            result: Any = self.store.acquire_reply(reply, **job.call)
+        except LeaseError as exc:  # an error reply, or CORRUPT naming the key and field
+            result = exc
+        except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
+            result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")
+        self._call(job, result)
+
+    def _call(self, job: Job, result: Any) -> None:
+        try:
+            job.done(job, result)
+        except Exception:  # noqa: BLE001 - one job's failure must not stop the others'
+            logger.exception("celery-leases: handling the acquire result of task %s failed",
+                             job.call.get("task_id"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        """The connection broke: drop it; every job waiting on it gets the error."""
+        self._close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        error = lease_error(exc, "acquire (acquire connection)", self.store.description)
+        if not isinstance(error, LeaseUnavailable):
+            # Whatever broke the connection (out of step included), no job on it
+            # was answered: each is tried again as if the store had been unreachable.
+            error = LeaseUnavailable(f"acquire connection to {self.store.description} reset: {exc!r}")
+            if isinstance(exc, OutOfStep):
+                logger.error("celery-leases: %s; the connection is reset and %d acquire(s) waiting "
+                             "on it are tried again", exc, self.pending)
+        jobs = list(self._sent) + self._held
+        self._sent.clear()
+        self._held = []
+        for job in jobs:
+            self._call(job, error)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Read every outstanding reply now, blocking (shutdown, consumer restart)."""
+        while self._sent or self._held:
+            if self._held and not self._sent:
+                self._send_held()
+                continue
+            try:
+                ready = bool(getattr(self._sock, "pending", lambda: 0)()) or \
+                    bool(select.select([self._sock], [], [], timeout)[0])
+            except Exception as exc:  # noqa: BLE001
+                self._fail_all(exc)
+                return
+            if not ready:
+                self._fail_all(TimeoutError(f"no reply to {self.pending} acquire(s) "
+                                            f"within {timeout}s"))
+                return
+            self.on_readable()
+
+    def _close(self) -> None:
+        conn, fd = self._conn, self._fd
+        self._conn = self._sock = self._fd = None
+        self._buffer.clear()
+        if fd is not None and fd in self.hub.readers:
+            try:
+                self.hub.remove_reader(fd)
+            except Exception:  # noqa: BLE001 - the loop may already be closed
+                pass
+        if conn is not None:
+            # Back to the pool, closed: the replies it still owed are gone with it.
+            close_connection(self.store.client, conn)
+
+    def stop(self) -> None:
+        self.flush()
+        self._close()
+
+
+class OutOfStep(LeaseError):
+    """Raised when a reply on the acquire connection cannot be the next job's (fails every job)."""
+
+
+def _is_acquire_reply(reply: Any) -> bool:
+    """True for what acquire.lua can return: {code, token, generation, recoveries, state},
+    {CORRUPT, key, field, detail}, or an error."""
+    if isinstance(reply, Exception):
+        return True
+    if not isinstance(reply, list) or not reply or type(reply[0]) is not int:
+        return False
+    if reply[0] == Code.CORRUPT:
+        return len(reply) == 4
+    return (len(reply) == 5 and reply[0] in _ACQUIRE_CODES and all(type(n) is int for n in reply[1:4])
+            and isinstance(reply[4], bytes))
+
+
+#: Codes acquire.lua answers with (its header's Output).
+_ACQUIRE_CODES = frozenset({Code.ACQUIRED, Code.TAKEN_OVER, Code.BUSY, Code.FINISHED, Code.STALE,
+                            Code.DEAD, Code.LOST})
+
+
+__all__ = ["Acquirer", "Job"]

@@ -1,0 +1,171 @@
+"""The leases of one worker process: its lifecycle and the leases it holds.
+
+Protocol decisions live in the store and its scripts; the worker wiring only
+decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
+(steps.py) and puts together the services that do each job:
+
+- receipt.py: acquire when the worker receives the message (main process);
+- heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
+- lost.py: a held lease whose record went missing, or that was lost;
+- revokes.py: every Celery revoke reaches the lease;
+- fallback.py: recovery passes without beat (started by ``RecoveryStep``).
+
+This module keeps what is left: start and stop, the per-task settings, and
+the held leases: released at once when the consumer drops its requests, when
+a pool child dies, or when the worker shuts down warmly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from celery.concurrency.base import BasePool
+from celery.worker.state import active_requests
+
+from ..checks import run_checks
+from ..protocol.clock import server_clock
+from ..config import LeaseConfig
+from ..exceptions import LeaseError
+from ..runtime import get_store
+from ..protocol.scripts import scripts
+from .heartbeat import Heartbeat
+from .lost import LostLeases
+from .receipt import Receipt
+from .revokes import Revoker
+from .startup import wait_for_store
+
+if TYPE_CHECKING:
+    from .loop import LoopWatch
+
+logger = logging.getLogger("celery_leases.worker")
+
+__all__ = ["LeaseWorker"]
+
+
+class LeaseWorker:
+    """The leases of one worker process: acquire, heartbeat, release, revoke."""
+
+    def __init__(self, app: Any, config: LeaseConfig, pool: Any = None, hostname: str | None = None,
+                 hub: Any = None, quick_release: Any = None, prefork: bool = False,
+                 loop: LoopWatch | None = None) -> None:
+        self.app, self.config, self.pool = app, config, pool
+        self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.store = get_store(app)
+        #: The store's clock, for the ETA of re-queued copies.
+        self.clock = server_clock(self.store)
+        self._task_configs: dict[str, LeaseConfig] = {}
+        self.lost = LostLeases(app, config, self.store, self.owner, self.task_config)
+        self.heartbeat = Heartbeat(self.store, self.owner, config.heartbeat_interval, self.lost.on_lost,
+                                   sender=app, on_missing=self.lost.on_missing, loop=loop)
+        self.receipt = Receipt(app, config, self.store, self.owner, self.heartbeat, self.clock,
+                               task_config=self.task_config, release=self.release, pool=pool, hub=hub,
+                               quick_release=quick_release, prefork=prefork)
+        self.revokes = Revoker(app, config, self.store, self.owner, self.heartbeat)
+
+    # -- lifecycle --------------------------------------------------------
+
+    def start(self) -> None:
+        """Wait for the store, load the scripts, run the checks, gate the revokes.
+
+        The heartbeat and the fallback recovery have steps of their own (steps.py).
+        """
+        # Wait for the lease store like Celery waits for its broker at start;
+        # past the retries this raises LeaseUnavailable naming leases_redis_url.
+        # The first reading of its clock, too (re-queue ETAs, a finish's not-after: clock.py).
+        wait_for_store(self.app, self.clock.read)
+        # Scripts are read once, here: the pool processes inherit them, and a
+        # package upgraded on disk under a running worker cannot mix versions.
+        scripts.load_all()
+        run_checks(self.app, self.config, self.store)  # warnings only: Redis and broker settings
+        self.revokes.gate()
+        logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
+                    self.owner, self.config.heartbeat_interval, self.config.ttl)
+
+    def stop(self, unstarted: bool) -> None:
+        """Release what is still held and stop the heartbeat."""
+        self.revokes.stop()
+        self.receipt.stop()
+        with self.heartbeat.lock:
+            held = [(task_id, h) for task_id, h in self.heartbeat.held.items() if not h.lost]
+        # Leases whose task never started are released unstarted whatever the caller
+        # says: their next owner must not count a recovery for them.
+        groups = {True: {t: h.token for t, h in held if unstarted or not h.started},
+                  False: {t: h.token for t, h in held if not unstarted and h.started}}
+        for flag, leases in groups.items():
+            if not leases:
+                continue
+            try:
+                n = self.store.release(self.owner, leases, unstarted=flag)
+                logger.info("celery-leases: released %d lease(s) at shutdown", n)
+            except LeaseError as exc:
+                logger.error("celery-leases: could not release %d lease(s) at shutdown; they will "
+                             "be recovered after their ttl: %s", len(leases), exc)
+        self.heartbeat.stop()
+
+    def task_config(self, task: Any) -> LeaseConfig:
+        """``task``'s settings (task attribute > app.conf > default), built once per task name."""
+        config = self._task_configs.get(task.name)
+        if config is None:
+            config = self._task_configs[task.name] = self.config.for_task(task)
+        return config
+
+    # -- held leases ------------------------------------------------------
+
+    def forget(self, task_id: str, token: int | None = None) -> None:
+        self.heartbeat.forget(task_id, token)
+
+    def is_lost(self, task_id: str, token: int) -> bool:
+        return self.heartbeat.is_lost(task_id, token)
+
+    def started(self, task_id: str, token: int) -> None:
+        """The pool started the task: its lease now counts a recovery if this worker dies."""
+        self.heartbeat.started(task_id, token)
+
+    def live_until(self, task_id: str, token: int) -> float | None:
+        """Monotonic time until which the lease is known to live (None: lost or not held)."""
+        return self.heartbeat.live_until(task_id, token)
+
+    def release_dropped(self) -> int:
+        """Release the leases of requests the consumer dropped without running them.
+
+        On a broker connection loss Celery's consumer discards its prefetched
+        and ETA-held requests (their messages come back from the broker); they
+        will never finish here, so their leases must not be renewed any more.
+        """
+        self.receipt.drop_pending()
+        running = {id(request) for request in list(active_requests)}
+        # Prefork's pool discards the jobs it had not started (Consumer.on_close
+        # calls pool.flush()); the threads, solo and green pools keep theirs and
+        # still run them, so those requests keep their leases.
+        flush = getattr(getattr(self.pool, "flush", None), "__func__", None)
+        flushes = flush is not None and flush is not BasePool.flush
+
+        def dropped_by_consumer(request: Any) -> bool:
+            if request is None or id(request) in running:
+                return False
+            handed_to_pool = getattr(request, "_apply_result", None) is not None
+            return flushes or not handed_to_pool
+
+        with self.heartbeat.lock:
+            dropped = {task_id: held.token for task_id, held in self.heartbeat.held.items()
+                       if dropped_by_consumer(held.request)}
+        if not dropped:
+            return 0
+        released = self.release(dropped, unstarted=True)
+        logger.info("celery-leases: released %d lease(s) of requests the consumer dropped "
+                    "(broker reconnect or shutdown)", released)
+        return released
+
+    def release(self, leases: dict, unstarted: bool = False) -> int:
+        """Give ``leases`` (task id -> token) back now: no longer renewed, free for the next owner."""
+        for task_id, token in leases.items():
+            self.heartbeat.forget(task_id, token)
+        try:
+            return self.store.release(self.owner, leases, unstarted=unstarted)
+        except LeaseError as exc:
+            logger.error("could not release lease(s) %s; recovery will take them after the ttl: %s",
+                         ", ".join(leases), exc)
+            return 0

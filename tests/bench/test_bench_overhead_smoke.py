@@ -1,0 +1,36 @@
+"""The task overhead benchmark runs end to end (small sizes; a smoke test, not a timed test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.bench_runner import run_quick_bench
+
+
+def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tmp_path: Path) -> None:
+    # Given the session's Redis server as broker and a scratch place for the JSON results,
+    # when the benchmark runs in quick mode (a prefork worker, a heartbeat worker, and a
+    # lease store of its own),
+    # then it succeeds and prints the table (asserted by run_quick_bench) with its targets
+    out, data = run_quick_bench("overhead.py", redis_server_url, tmp_path, timeout=90)
+
+    for target in ("publisher-bound: leased/plain >= 0.95", "backlog drain: leased/plain >= 0.95",
+                   "<= 2 lease-store round trips per task",
+                   "1 renew call per heartbeat tick (1, 10, 100 leases)"):
+        assert target in out
+    assert data["meta"]["quick"] is True
+    prefork = data["pools"]["prefork"]
+    for case in ("publisher-bound", "backlog drain"):
+        for kind in ("plain", "leased", "leased, untracked"):
+            assert prefork[case][kind]["per_s"] > 0
+    # Counted by the lease store's own server, not timed: a tracked publish records the task
+    # (one call); the worker acquires and finishes (two), plus a few batched start marks
+    # (sent only for tasks still running 25 ms after they started, never one per task).
+    drain = prefork["backlog drain"]
+    assert drain["leased"]["publish_lease_calls"] == 1.0
+    assert drain["leased, untracked"]["publish_lease_calls"] == 0.0
+    for kind in ("leased", "leased, untracked"):
+        assert 1.0 <= drain[kind]["worker_lease_calls"] <= 2.3
+    assert drain["plain"]["lease_calls"] == 0.0
+    assert [row["leases"] for row in data["heartbeat"]] == [1, 10, 100]
+    assert data["targets"]["1 renew call per heartbeat tick (1, 10, 100 leases)"]["result"] == "PASS"

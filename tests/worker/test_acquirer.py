@@ -1,0 +1,416 @@
+"""The acquire at receipt, sent without waiting (celery_leases/worker/acquirer.py), on a real Redis.
+
+The event loop is stood in for by a table of readers and ``select``: what the
+worker's hub does with the acquirer's socket is to call ``on_readable`` when
+it turns readable, which is what these tests do.
+"""
+from __future__ import annotations
+
+import select
+import time
+import uuid
+from typing import Any
+
+import celery
+import kombu
+import pytest
+import redis
+
+import celery_leases
+
+from celery_leases import Code, LeasedTask, LeaseStore, install
+from celery_leases.config import get_config
+from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
+from celery_leases.testing.servers import RedisServer
+from celery_leases.protocol.records import Acquisition
+from celery_leases.protocol.wire import pack
+from celery_leases.worker.acquirer import Acquirer, Job
+from celery_leases.worker.delivery import MalformedMessage
+from celery_leases.worker.service import LeaseWorker
+
+
+class Hub:
+    """The part of kombu's Hub the acquirer uses."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, Any] = {}
+        self.timers: list[Timer] = []
+        self.on_tick: set = set()
+
+    def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
+        self.readers[fd] = (callback, args)
+
+    def remove_reader(self, fd: int) -> None:
+        self.readers.pop(fd, None)
+
+    def call_later(self, delay: float, callback: Any, *args: Any) -> "Timer":
+        timer = Timer(delay, callback)
+        self.timers.append(timer)
+        return timer
+
+
+class Timer:
+    """A timer entry of the stand-in hub: fired by the test, cancellable like kombu's."""
+
+    def __init__(self, delay: float, callback: Any) -> None:
+        self.delay, self.callback, self.cancelled = delay, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def fire(self) -> None:
+        if not self.cancelled:
+            self.callback()
+
+
+def wait_readable(hub: Hub, timeout: float = 5.0) -> None:
+    (fd,) = hub.readers
+    ready, _, _ = select.select([fd], [], [], timeout)
+    assert ready, f"no reply within {timeout}s"
+    callback, args = hub.readers[fd]
+    callback(*args)
+
+
+def job(results: list, task_id: str, owner: str = "w1") -> Job:
+    return Job({"task_id": task_id, "owner": owner, "name": "t", "body": b"body",
+                "envelope": {"headers": {"id": task_id}}},
+               lambda j, result: results.append((j.call["task_id"], result)))
+
+
+@pytest.fixture
+def store(redis_server_url, key_prefix):
+    return LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=30)
+
+
+def test_pack_is_the_resp_encoding_redis_py_sends():
+    args = ("EVALSHA", "abc", 2, "k1", b"\x00bin\r\n", 0, -5, "é")
+    conn = redis.Connection()
+    assert pack(*args) == b"".join(conn.pack_command(*args))
+
+
+def test_replies_come_back_in_order_and_later_acquires_go_out_together(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    ids = [f"t{i}-{uuid.uuid4()}" for i in range(10)]
+    acquirer.submit(job(results, ids[0]))
+    # The first goes out at once; the next ones wait for its reply, then go out in one write.
+    for task_id in ids[1:]:
+        acquirer.submit(job(results, task_id))
+    assert (acquirer.sent, acquirer.writes) == (1, 1)
+    while len(results) < len(ids):
+        wait_readable(hub)
+    assert (acquirer.sent, acquirer.writes) == (10, 2)
+    assert [task_id for task_id, _ in results] == ids
+    acquisitions = [result for _, result in results]
+    assert all(isinstance(a, Acquisition) and a.code is Code.ACQUIRED for a in acquisitions)
+    tokens = [a.token for a in acquisitions]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    assert [store.get(t).token for t in ids] == tokens
+    assert acquirer.pending == 0
+
+
+def test_while_the_pool_is_busy_acquires_wait_and_go_out_in_one_write(store):
+    # Given an acquirer told the pool has enough tasks ready to start
+    hub, results, busy = Hub(), [], [True]
+    acquirer = Acquirer(store, hub, busy=lambda: busy[0], max_hold=60)
+    ids = [f"h{i}-{uuid.uuid4()}" for i in range(4)]
+    # When acquires arrive meanwhile
+    for task_id in ids[:3]:
+        acquirer.submit(job(results, task_id))
+    acquirer.tick()
+    # Then none is sent yet, and a timer bounds the wait
+    assert (acquirer.sent, acquirer.writes, acquirer.pending) == (0, 0, 3)
+    assert [t.delay for t in hub.timers] == [60]
+    # When the pool needs work again (a task started), the next loop iteration sends them all at once
+    busy[0] = False
+    acquirer.tick()
+    assert (acquirer.sent, acquirer.writes) == (3, 1)
+    assert hub.timers[0].cancelled
+    while len(results) < 3:
+        wait_readable(hub)
+    assert [task_id for task_id, _ in results] == ids[:3]
+    assert all(result.owned for _, result in results)
+    # And with the pool busy again, the timer alone sends a held acquire when the wait is up
+    busy[0] = True
+    acquirer.max_hold = 0.05
+    acquirer.submit(job(results, ids[3]))
+    assert acquirer.sent == 3
+    time.sleep(0.06)
+    hub.timers[-1].fire()
+    assert (acquirer.sent, acquirer.writes) == (4, 2)
+    wait_readable(hub)
+    assert results[-1][0] == ids[3] and results[-1][1].owned
+    # And when the pool is not busy, an acquire goes out at once (an idle worker never waits)
+    busy[0] = False
+    acquirer.submit(job(results, last := f"idle-{uuid.uuid4()}"))
+    assert (acquirer.sent, acquirer.writes) == (5, 3)
+    wait_readable(hub)
+    assert results[-1][0] == last and results[-1][1].owned
+
+
+def test_an_error_reply_fails_only_its_own_job(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    bad = f"bad-{uuid.uuid4()}"
+    store.client.set(store.keys.record(bad), "not a hash")
+    ids = [f"a-{uuid.uuid4()}", bad, f"b-{uuid.uuid4()}"]
+    for task_id in ids:
+        acquirer.submit(job(results, task_id))
+    while len(results) < 3:
+        wait_readable(hub)
+    by_id = dict(results)
+    assert isinstance(by_id[bad], CorruptRecord) and bad in str(by_id[bad])
+    assert by_id[ids[0]].owned and by_id[ids[2]].owned
+
+
+def test_a_server_that_lost_its_scripts_still_answers(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    store.client.script_flush()
+    acquirer.submit(job(results, task_id := f"n-{uuid.uuid4()}"))
+    wait_readable(hub)
+    assert results[0][0] == task_id and results[0][1].owned
+
+
+def test_a_lost_connection_fails_every_waiting_job_and_the_next_one_reconnects(tmp_path, key_prefix):
+    server = RedisServer(dir=tmp_path).start()
+    store = LeaseStore(redis.Redis.from_url(server.url, socket_timeout=2), prefix=key_prefix)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    try:
+        acquirer.submit(job(results, "first"))
+        wait_readable(hub)
+        assert results.pop()[1].owned
+        server.stop()
+        # The connection is dead; the acquirer learns it sending or reading, whichever comes first.
+        for task_id in ("x", "y", "z"):
+            acquirer.submit(job(results, task_id))
+        acquirer.flush(timeout=5)
+        assert [task_id for task_id, _ in results] == ["x", "y", "z"]
+        assert all(isinstance(result, LeaseUnavailable) for _, result in results)
+        assert acquirer.pending == 0 and not hub.readers
+        results.clear()
+        # No server: the job fails at once, named, instead of waiting for a reply that never comes.
+        acquirer.submit(job(results, "w"))
+        assert results[0][0] == "w" and isinstance(results[0][1], LeaseUnavailable)
+    finally:
+        server.stop()
+
+
+def _own_tokens(store: LeaseStore, results: list) -> None:
+    """Every job handed an Acquisition got its own task's token (never a neighbour's)."""
+    for task_id, result in results:
+        if isinstance(result, Acquisition):
+            assert result.owned and store.get(task_id).token == result.token, (task_id, result)
+
+
+@pytest.mark.parametrize("bad_id", [None, 1.5, "bad-\ud800", b"\xff", ["a"]],
+                         ids=["null", "float", "lone-surrogate", "bytes-not-utf8", "list"])
+def test_an_acquire_that_cannot_be_packed_fails_alone_and_later_replies_stay_matched(store, bad_id):
+    # Given ordinary acquires around one whose task id the wire cannot carry (issue #14.1)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    before = [f"b{i}-{uuid.uuid4()}" for i in range(3)]
+    after = [f"a{i}-{uuid.uuid4()}" for i in range(4)]
+    for task_id in before:
+        acquirer.submit(job(results, task_id))
+    # When the bad one is submitted (while the first reply is still to come), then more
+    acquirer.submit(job(results, bad_id))
+    for task_id in after:
+        acquirer.submit(job(results, task_id))
+    while len(results) < len(before) + len(after) + 1:
+        wait_readable(hub)
+    # Then the bad job alone fails, at once, as a malformed message naming the id
+    bad = [result for task_id, result in results if task_id is bad_id]
+    assert len(bad) == 1 and isinstance(bad[0], MalformedMessage) and repr(bad_id) in str(bad[0])
+    # ... and every other acquire gets its own record's token, in order, all acquired
+    good = [(task_id, result) for task_id, result in results if task_id is not bad_id]
+    assert [task_id for task_id, _ in good] == before + after
+    _own_tokens(store, good)
+    assert acquirer.pending == 0 and acquirer.sent == len(before) + len(after)
+
+
+def test_an_unpackable_envelope_fails_only_its_own_acquire(store):
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    bad = Job({"task_id": "e-" + str(uuid.uuid4()), "owner": "w1", "body": b"x",
+               "envelope": {"headers": {"not json": {1, 2}}}},
+              lambda j, result: results.append((j.call["task_id"], result)))
+    ids = [f"e{i}-{uuid.uuid4()}" for i in range(3)]
+    acquirer.submit(job(results, ids[0]))
+    acquirer.submit(bad)
+    acquirer.submit(job(results, ids[1]))
+    acquirer.submit(job(results, ids[2]))
+    while len(results) < 4:
+        wait_readable(hub)
+    by_id = dict(results)
+    assert isinstance(by_id[bad.call["task_id"]], MalformedMessage)
+    assert by_id[bad.call["task_id"]].field == "envelope"
+    _own_tokens(store, [(t, by_id[t]) for t in ids])
+    assert all(by_id[t].owned for t in ids)
+
+
+def test_a_reply_out_of_step_resets_the_connection_and_hands_out_no_token(store):
+    # Given an acquirer whose connection carries a reply no job asked for (a desync)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    acquirer.submit(job(results, first := f"f-{uuid.uuid4()}"))
+    wait_readable(hub)
+    assert results.pop()[1].owned and store.get(first)
+    acquirer._sock.sendall(pack("PING"))
+    # When acquires go out behind it
+    ids = [f"o{i}-{uuid.uuid4()}" for i in range(3)]
+    for task_id in ids:
+        acquirer.submit(job(results, task_id))
+    acquirer.flush(timeout=5)
+    # Then no job is handed a reply that is not its own: all are "store unreachable"
+    # (tried again when due), the connection is reset, nothing is pending
+    assert [task_id for task_id, _ in results] == ids
+    assert all(isinstance(result, LeaseUnavailable) for _, result in results), results
+    assert acquirer.pending == 0 and acquirer._sock is None and not hub.readers
+    # ... and the next acquire gets a fresh connection and its own token
+    results.clear()
+    acquirer.submit(job(results, again := f"g-{uuid.uuid4()}"))
+    wait_readable(hub)
+    _own_tokens(store, results)
+    assert results[0][0] == again and results[0][1].owned
+
+
+# -- the worker side: deferred hand-over to the pool, dropped requests --------------------------
+
+@pytest.fixture
+def lease_worker(redis_server_url, key_prefix):
+    app = celery.Celery("acq", broker="memory://", set_as_current=False)
+    app.conf.update(leases_redis_url=redis_server_url, leases_key_prefix=key_prefix,
+                    leases_worker_recovery=False)
+    install(app)
+
+    @app.task(base=LeasedTask, name="acq.noop", shared=False)
+    def noop():
+        return None
+
+    app.send_task("acq.noop", queue="acq")
+    with app.connection_for_read() as conn:
+        message = kombu.Queue("acq")(conn.default_channel).get(no_ack=True)
+    hub = Hub()
+    worker = LeaseWorker(app, get_config(app), hub=hub)
+    yield worker, hub, noop, message
+    app.close()
+
+
+class Request:
+    """What LeaseWorker reads of a Celery request, and a pool hand-over that records its token."""
+
+    def __init__(self, task: Any, message: Any) -> None:
+        self.id, self.task, self.name = str(uuid.uuid4()), task, task.name
+        # A message of its own id (the worker checks the headers carry the request's id).
+        self.message = kombu.Message(body=message.body, headers={**message.headers, "id": self.id},
+                                     properties=message.properties, delivery_info=message.delivery_info,
+                                     content_type=message.content_type,
+                                     content_encoding=message.content_encoding)
+        self.request_dict: dict = {"retries": 0}
+        self.executed_with: list = []
+        self.acknowledged = False
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> None:
+        self.executed_with.append(self.request_dict.get("lease_token"))
+
+    def acknowledge(self) -> None:
+        self.acknowledged = True
+
+
+def test_a_request_is_handed_to_its_pool_only_once_its_lease_is_held(lease_worker):
+    worker, hub, task, message = lease_worker
+    request = Request(task, message)
+    worker.receipt.on_received(request)
+    assert request.__dict__.get("_lease_inflight")
+    # Celery hands the request over while the reply is still on its way: deferred.
+    request._lease_deferred = ("pool", {})
+    assert request.executed_with == []
+    wait_readable(hub)
+    token = worker.store.get(request.id).token
+    assert request.executed_with == [token]
+    assert request.request_dict["lease_token"] == token
+    assert worker.heartbeat.held[request.id].token == token
+
+
+def test_acquires_under_way_when_the_consumer_drops_its_requests_are_released(lease_worker):
+    worker, hub, task, message = lease_worker
+    requests = [Request(task, message) for _ in range(3)]
+    for request in requests:
+        worker.receipt.on_received(request)
+        request._lease_deferred = ("pool", {})
+    # A broker reconnect: Celery drops the requests it had not started.
+    worker.release_dropped()
+    assert all(request.executed_with == [] for request in requests)
+    assert worker.heartbeat.held == {}
+    due = set(worker.store.expired())
+    for request in requests:
+        record = worker.store.get(request.id)
+        assert record.state == "active" and request.id in due, record
+
+
+def test_parse_decodes_what_a_script_reply_holds_and_waits_for_the_rest():
+    from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
+
+    from celery_leases.protocol.wire import Incomplete, parse
+
+    wire = (b"*5\r\n:1\r\n:42\r\n:0\r\n:-3\r\n$6\r\nactive\r\n"
+            b"-NOSCRIPT No matching script.\r\n-LOADING loading\r\n-CORRUPT k field x\r\n"
+            b"*2\r\n$-1\r\n_\r\n+OK\r\n*0\r\n")
+    replies, pos = [], 0
+    while pos < len(wire):
+        reply, pos = parse(wire, pos)
+        replies.append(reply)
+    assert replies[0] == [1, 42, 0, -3, b"active"]
+    assert isinstance(replies[1], NoScriptError) and isinstance(replies[2], BusyLoadingError)
+    assert type(replies[3]) is ResponseError and "CORRUPT k field x" in str(replies[3])
+    assert replies[4:] == [[None, None], b"OK", []]
+    # A reply cut anywhere is not decoded until the rest is there.
+    first = wire[:wire.index(b"-NOSCRIPT")]
+    for cut in range(len(first)):
+        with pytest.raises(Incomplete):
+            parse(first[:cut])
+    with pytest.raises(ResponseError, match="unexpected reply type"):
+        parse(b"!oops\r\n")
+
+
+# -- a real worker -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_stalled_lease_store_stalls_only_the_leased_tasks(pool, celery_env, start_worker, history,
+                                                            tmp_path):
+    import os
+    import signal
+    import time
+
+    from tests.support.apps.leased_app import create_app
+
+    # Given a lease store on its own Redis (broker, results and the history elsewhere)
+    lease_redis = RedisServer(dir=tmp_path).start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url,
+               "LEASES_TEST_HISTORY_URL": celery_env["LEASES_TEST_BROKER"]}
+        app = create_app(env)
+        start_worker("a", pool=pool, **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        # When the lease store stops answering (SIGSTOP) and a leased, then a plain task arrive
+        os.kill(lease_redis.process.pid, signal.SIGSTOP)
+        try:
+            leased = app.signature("tests.support.apps.leased_app.sleep_then_echo", ("L",)).delay()
+            plain = app.signature("tests.support.apps.leased_app.plain_sleep", ("P",)).delay()
+            # Then the plain task runs at once: the worker's event loop does not wait for the
+            # leased task's acquire (a blocking acquire held it for the socket timeout, 2 s+)
+            assert plain.get(timeout=1.5) == "P"
+            # ... and the leased task's body has not run without its lease
+            time.sleep(0.5)
+            assert leased.id not in {task_id for event, task_id, *_ in history() if event == "start"}
+        finally:
+            os.kill(lease_redis.process.pid, signal.SIGCONT)
+        # Once the store answers, the leased task runs under its lease, once
+        assert leased.get(timeout=15) == "L"
+        record = celery_leases.store(app).get(leased.id)
+        assert record.state == "succeeded" and record.recoveries == 0
+        assert [e for e, task_id, *_ in history() if task_id == leased.id].count("start") == 1
+        app.close()
+    finally:
+        lease_redis.stop()

@@ -1,0 +1,105 @@
+"""The heartbeat thread: one call per tick, lost leases flagged, Redis errors survived."""
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from celery_leases import Code, LeaseStore
+from celery_leases.worker.heartbeat import Heartbeat, Held
+from celery_leases.testing.servers import RedisServer
+from celery_leases.testing import wait_for
+
+
+def test_one_renew_call_per_tick_and_lost_leases_flagged(redis_server_url, key_prefix):
+    # Given a heartbeat holding 50 leases, one of which another owner takes over
+    store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=1)
+    lost = []
+    beat = Heartbeat(store, "w1", 0.2, lambda task_id, held, code: lost.append((task_id, code)))
+    for n in range(50):
+        acq = store.acquire(f"t{n}", "w1", ttl=1)
+        beat.add(f"t{n}", Held(acq.token, ttl=1))
+    calls = []
+    real = store.renew_many
+    store.renew_many = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    store.release("w1", {"t7": beat.held["t7"].token})
+    store.acquire("t7", "w2", ttl=1)
+    # When it ticks
+    beat.tick()
+    # Then one call renewed the 49 and reported t7 lost; the task can see it
+    assert len(calls) == 1
+    assert lost == [("t7", Code.LOST)]
+    assert beat.is_lost("t7", beat.held["t7"].token) and not beat.is_lost("t8", beat.held["t8"].token)
+
+
+def test_redis_errors_are_logged_counted_and_retried(tmp_path, key_prefix, caplog):
+    # Given a heartbeat thread on a Redis that goes away for a while
+    server = RedisServer(dir=tmp_path)
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        store = LeaseStore(client, prefix=key_prefix, ttl=30)
+        beat = Heartbeat(store, "w1", 0.1, lambda *a: None)
+        acq = store.acquire("t1", "w1", ttl=30)
+        beat.add("t1", Held(acq.token, ttl=30))
+        caplog.set_level(logging.WARNING, logger="celery_leases.heartbeat")
+        beat.start()
+        wait_for(lambda: beat.ticks >= 2, 5, what="healthy ticks")
+        # When Redis stops, ticks fail: counted, the thread keeps going, and the
+        # outage is logged once however many ticks fail
+        server.stop()
+        wait_for(lambda: beat.consecutive_failures >= 3, 10, what="failed ticks")
+        assert beat._thread.is_alive()
+        failing = [r for r in caplog.records if "lease heartbeat failed" in r.getMessage()]
+        assert len(failing) == 1 and failing[0].levelno == logging.ERROR
+        assert "1 lease(s) not renewed" in failing[0].getMessage()
+        # And when Redis is back (AOF off: the lease is gone), the next tick works again,
+        # logged once, with the number of failed ticks
+        server.start()
+        store.acquire("t1", "w1", ttl=30)
+        wait_for(lambda: beat.consecutive_failures == 0, 10, what="a successful tick")
+        failed = beat.failures
+        back = [r for r in caplog.records if "works again" in r.getMessage()]
+        assert len(back) == 1 and f"after {failed} failed attempt(s)" in back[0].getMessage()
+        assert failed >= 3
+        # (celery-leases' own lines: another test's result consumer, garbage-collected here,
+        # may log Celery's reconnect attempts to its stopped server meanwhile)
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING
+                    and r.name.startswith("celery_leases")]) == 2
+        beat.stop()
+        assert not beat._thread.is_alive()
+    finally:
+        server.stop()
+
+
+def test_start_marks_wake_the_thread_once_per_batch_and_are_still_sent_after_an_empty_one(
+        redis_server_url, key_prefix):
+    # Given a running heartbeat (long interval: only start marks make it work) holding leases
+    store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=30)
+    beat = Heartbeat(store, "w1", 60.0, lambda *a: None)
+    tokens = {}
+    for n in range(6):
+        tokens[f"t{n}"] = store.acquire(f"t{n}", "w1", ttl=30).token
+        beat.add(f"t{n}", Held(tokens[f"t{n}"], ttl=30))
+    wakes = []
+    real_set = beat._wake.set
+    beat._wake.set = lambda: wakes.append(1) or real_set()
+    beat.start()
+    try:
+        # When three tasks start together and end before their marks go out
+        for n in range(3):
+            beat.started(f"t{n}", tokens[f"t{n}"])
+            beat.forget(f"t{n}", tokens[f"t{n}"])
+        # Then the thread was woken once for the three, and sends nothing for them
+        assert len(wakes) == 1
+        wait_for(lambda: not beat._starts_due, 5, what="the thread to take the (empty) batch")
+        assert beat.start_calls == 0
+        # And when three more start later, one wake-up sends all three marks in one call
+        for n in range(3, 6):
+            beat.started(f"t{n}", tokens[f"t{n}"])
+        assert len(wakes) == 2
+        wait_for(lambda: beat.start_calls == 1, 5, what="the start marks")
+        assert all(store.get(f"t{n}").started for n in range(3, 6))
+        assert not any(store.get(f"t{n}").started for n in range(3))
+    finally:
+        beat.stop()
