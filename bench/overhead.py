@@ -300,6 +300,8 @@ class Bench:
                 "worker_lease_calls": round_trips(drain) / self.n,
                 "lease_calls": (round_trips(publish) + round_trips(drain)) / self.n,
                 "worker_lease_commands": {k: round(v["calls"] / self.n, 3) for k, v in sorted(drain.items())},
+                # Redis's own time per task in each command (scripts include what they call).
+                "worker_lease_usec": {k: round(v["usec"] / self.n, 1) for k, v in sorted(drain.items())},
                 "cpu_us": {g: sec / self.n * 1e6 for g, sec in cpu.items()},
                 "other_cpu_us": max(0.0, machine - sum(cpu.values())) / self.n * 1e6}
 
