@@ -436,8 +436,20 @@ class Run:
     def __enter__(self) -> "Run":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.report()
         self.close()
+
+    def report(self, lines: int = 60) -> None:
+        """Print each worker's last log lines (pytest shows them with the failure)."""
+        for worker in self.workers:
+            try:
+                tail = worker.log().splitlines()[-lines:]
+            except OSError as exc:
+                tail = [f"(log unreadable: {exc})"]
+            print(f"----- {self.name}: worker {worker.name} log (last {len(tail)} lines) -----")
+            print("\n".join(tail))
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:

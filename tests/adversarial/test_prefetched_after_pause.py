@@ -24,7 +24,9 @@ def scenario(directory, long: bool = False) -> Counts:
         for _ in range(4):
             run.submit(0.2)
         store = run.store()
-        wait_until(lambda: all(store.get(t) for t in run.expect), 10, "A to lease all five")
+        # "active", not merely present: publish tracking records each task as queued at publish
+        wait_until(lambda: all(getattr(store.get(t), "state", None) == "active" for t in run.expect),
+                   20, "A to lease all five")
         wait_until(lambda: any(e["task"] == first for e in run.starts()), 10, "A to start the first")
         a.signal(signal.SIGSTOP, main_only=True)
         try:

@@ -50,7 +50,8 @@ def test_prefetched_tasks_run_after_a_broker_reconnect(one_worker):
     for i, task_id in enumerate(ids):
         submit.send_task(TASK_NAME, args=(i, 3.0 if i == 0 else 0.2), task_id=task_id)
     store = celery_leases.store(app)
-    wait_for(lambda: all(store.get(t) for t in ids), 10, what="the worker to lease all five")
+    wait_for(lambda: all(getattr(store.get(t), "state", None) == "active" for t in ids), 20,
+             what="the worker to lease all five")
     # When Redis restarts under it (AOF on: nothing is lost) and the worker reconnects
     cluster.redis_restart("graceful", 0.5)
     # Then every task runs, once, well within ttl + recovery interval + task time
@@ -85,7 +86,8 @@ def test_queued_requests_of_a_threads_worker_run_once_after_a_broker_reconnect(o
     for i, task_id in enumerate(ids):
         submit.send_task(TASK_NAME, args=(i, 6.0 if i == 0 else 0.2), task_id=task_id)
     store = celery_leases.store(app)
-    wait_for(lambda: all(store.get(t) for t in ids), 10, what="the worker to lease all five")
+    wait_for(lambda: all(getattr(store.get(t), "state", None) == "active" for t in ids), 20,
+             what="the worker to lease all five")
     # When Redis restarts under it and the worker reconnects
     cluster.redis_restart("graceful", 0.5)
     # Then every task runs once: the thread pool kept the queued requests, so they keep their leases

@@ -6,6 +6,7 @@ kernel would. The launcher is the pytest plugin's, so the suite tests what users
 """
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from collections import Counter
@@ -50,6 +51,27 @@ def assert_ran_once_with_a_lease(history, results) -> None:
     started = [h for h in history() if h[0] == "start" and h[1] in ids]
     assert Counter(h[1] for h in started) == dict.fromkeys(ids, 1), started
     assert all(int(h[3]["token"]) > 0 for h in started), started
+
+
+#: The two lines a worker logs when a lease it held lapsed: its heartbeat found the lease
+#: gone, or the store refused the outcome (task.py, worker/lost.py).
+_LAPSE = re.compile(r"task (?:\S+\[)?([^\s\]:]+)\]?: (?:lease \(token (\d+)\) lost"
+                    r"|outcome '\w+' of token (\d+) refused)")
+
+
+def lapsed_leases(*workers: "Worker") -> set:
+    """(task id, token) of each lease these workers logged as lapsed under them.
+
+    A host that stalls (or whose clock steps) for longer than the ttl lets a live
+    owner's lease expire; recovery then rightly runs the task again. A test that
+    counts recoveries adds these: every recovery beyond the expected ones must be
+    one of them, never unexplained.
+    """
+    found = set()
+    for worker in workers:
+        for match in _LAPSE.finditer(worker.log()):
+            found.add((match.group(1), int(match.group(2) or match.group(3))))
+    return found
 
 
 def busy_with_backlog(start_worker, app, history, waiting: int, start_timeout: float = 20):

@@ -8,7 +8,7 @@ import pytest
 from celery import chain, chord
 
 import celery_leases
-from celery_leases.testing import wait_for
+from celery_leases.testing import wait_for, wait_for_lease
 from tests.support.workers import stale_owner_race, starts
 
 TASKS = "tests.support.apps.leased_app"
@@ -189,7 +189,7 @@ def test_revoked_task_ends_its_lease(client_app, start_worker, history):
     store = celery_leases.store(client_app)
     # Given a task held by the worker until its countdown
     result = client_app.signature(f"{TASKS}.sleep_then_echo", ("never", 0)).apply_async(countdown=4)
-    wait_for(lambda: store.get(result.id), 10, what="the worker to lease it")
+    wait_for_lease(client_app, result.id, 10)  # active: publish tracking records it queued first
     # When it is revoked
     client_app.control.revoke(result.id)
     # Then it never runs, REVOKED is stored and the lease is ended
