@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 
+from celery_leases.testing import wait_for_lease
 from tests.adversarial.runner import Counts, Run, wait_until
 
 NAME = "prefetched-after-pause"
@@ -23,10 +24,8 @@ def scenario(directory, long: bool = False) -> Counts:
         first = run.submit(3.0)
         for _ in range(4):
             run.submit(0.2)
-        store = run.store()
-        # "active", not merely present: publish tracking records each task as queued at publish
-        wait_until(lambda: all(getattr(store.get(t), "state", None) == "active" for t in run.expect),
-                   20, "A to lease all five")
+        for task_id in run.expect:  # owned, not merely recorded: tracking records it queued at publish
+            wait_for_lease(run.client, task_id, 20)
         wait_until(lambda: any(e["task"] == first for e in run.starts()), 10, "A to start the first")
         a.signal(signal.SIGSTOP, main_only=True)
         try:

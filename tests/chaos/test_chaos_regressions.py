@@ -15,7 +15,7 @@ from chaos.app import TASK_NAME, create_app
 from chaos.cluster import Cluster
 from chaos.history import by_task, read_history
 from chaos.run import _finished
-from celery_leases.testing import wait_for
+from celery_leases.testing import wait_for, wait_for_lease
 
 
 @pytest.fixture
@@ -49,9 +49,8 @@ def test_prefetched_tasks_run_after_a_broker_reconnect(one_worker):
     ids = [f"pre{i}" for i in range(5)]
     for i, task_id in enumerate(ids):
         submit.send_task(TASK_NAME, args=(i, 3.0 if i == 0 else 0.2), task_id=task_id)
-    store = celery_leases.store(app)
-    wait_for(lambda: all(getattr(store.get(t), "state", None) == "active" for t in ids), 20,
-             what="the worker to lease all five")
+    for task_id in ids:  # owned, not merely recorded (publish tracking records it queued)
+        wait_for_lease(app, task_id, 20)
     # When Redis restarts under it (AOF on: nothing is lost) and the worker reconnects
     cluster.redis_restart("graceful", 0.5)
     # Then every task runs, once, well within ttl + recovery interval + task time
@@ -85,9 +84,8 @@ def test_queued_requests_of_a_threads_worker_run_once_after_a_broker_reconnect(o
     ids = [f"q{i}" for i in range(5)]
     for i, task_id in enumerate(ids):
         submit.send_task(TASK_NAME, args=(i, 6.0 if i == 0 else 0.2), task_id=task_id)
-    store = celery_leases.store(app)
-    wait_for(lambda: all(getattr(store.get(t), "state", None) == "active" for t in ids), 20,
-             what="the worker to lease all five")
+    for task_id in ids:  # owned, not merely recorded (publish tracking records it queued)
+        wait_for_lease(app, task_id, 20)
     # When Redis restarts under it and the worker reconnects
     cluster.redis_restart("graceful", 0.5)
     # Then every task runs once: the thread pool kept the queued requests, so they keep their leases
