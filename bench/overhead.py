@@ -289,6 +289,7 @@ class Bench:
         cpu = CpuMeter.delta(cpu, self.meter.read())
         time.sleep(0.1)  # batched start marks of the last tasks (25 ms)
         stats2 = command_stats(self.lease_client)
+        window = time.time() - released
         done = last_done(self.apps["tracked"], self.client, ids) - released
         wait_all(results, self.timeout)  # reads the result messages, outside the measurement
         self._forget(ids)
@@ -298,6 +299,9 @@ class Bench:
         return {"per_s": self.n / done, "seconds": done,
                 "publish_lease_calls": round_trips(publish) / self.n,
                 "worker_lease_calls": round_trips(drain) / self.n,
+                # Seconds the drain's counts cover: batched start marks and heartbeat ticks
+                # scale with it, not with the number of tasks.
+                "window_s": window,
                 "lease_calls": (round_trips(publish) + round_trips(drain)) / self.n,
                 "worker_lease_commands": {k: round(v["calls"] / self.n, 3) for k, v in sorted(drain.items())},
                 # Redis's own time per task in each command (scripts include what they call).

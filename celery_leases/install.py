@@ -9,9 +9,9 @@ from celery.signals import beat_init
 from .config import LeaseConfig, client_config, get_config, validate_pending
 from .exceptions import ConfigurationError, LeaseError
 from .protocol.store import LeaseStore
-from .runtime import get_store
+from .runtime import get_store, on_new_store
 from .signals import recovery_pass
-from . import tracking
+from . import results, tracking
 from .task import LeasedTask
 from .worker.outage import Outage
 # Importing it registers ``celery inspect leases`` (Celery's registry of remote-control commands is global).
@@ -44,6 +44,7 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     else:
         validate_pending(app)
     tracking.install(app)
+    on_new_store(results.attach)
     app.steps["worker"].update((LeaseStep, HeartbeatStep, RecoveryStep))
     app.steps["consumer"].add(LeaseConsumerStep)
     if all_tasks:

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
 from .protocol.codes import OUTCOMES, Code
 from .signals import (callbacks_failed, delivery_parked, heartbeat_ticked, lease_acquired, lease_dead, lease_lost,
                       lease_recovered, leases_renewed, recovery_pass, stale_outcome_rejected,
-                      undelivered_republished)
+                      result_written_by_recovery, undelivered_republished)
 
 __all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS", "RENEW_BUCKETS"]
 
@@ -73,6 +73,9 @@ class LeaseMetrics:
                                   "accepted success not sent after every try.", **kw)
         self.undelivered = C("undelivered_republished", "Queued tasks re-published because no worker "
                              "acquired them within leases_delivery_timeout.", **kw)
+        self.results_written = C("results_written_by_recovery", "Results written by a recovery "
+                                 "pass: the process that finished the task died before Celery "
+                                 "stored its result.", **kw)
         self.time_to_recovery = H(
             "time_to_recovery_seconds", "From the last owner's acquisition of the lease to its "
             "re-publication by a recovery pass.", buckets=TIME_TO_RECOVERY_BUCKETS, **kw)
@@ -90,7 +93,7 @@ class LeaseMetrics:
         self._collectors = [self.acquired, self.renewed, self.lost, self.recovered, self.dead,
                             self.refused, self.parked, self.time_to_recovery, self.callbacks_failed,
                             self.undelivered, self.renew_seconds, self.renew_failures, self.held,
-                            self.recovery_passes]
+                            self.recovery_passes, self.results_written]
         for value in ("true", "false"):
             self.acquired.labels(taken_over=value)
         for reason in LOST_REASONS:
@@ -107,6 +110,7 @@ class LeaseMetrics:
             (delivery_parked, self._on_parked),
             (callbacks_failed, self._on_callback_failed),
             (undelivered_republished, self._on_undelivered),
+            (result_written_by_recovery, self._on_result_written),
             (heartbeat_ticked, self._on_tick), (recovery_pass, self._on_recovery_pass),
         ]
         for signal, receiver in self._receivers:
@@ -158,6 +162,10 @@ class LeaseMetrics:
         if self._ours(sender):
             self.refused.labels(outcome=outcome or "unknown").inc()
 
+    def _on_result_written(self, sender: Any = None, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.results_written.inc()
+
     def _on_undelivered(self, sender: Any = None, **kwargs: Any) -> None:
         if self._ours(sender):
             self.undelivered.inc()
@@ -193,7 +201,8 @@ def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celer
     ``<namespace>_acquired_total{taken_over}``, ``_renewed_total``,
     ``_lost_total{reason}``, ``_recovered_total``, ``_dead_total``,
     ``_refused_total{outcome}``, ``_parked_total{field}``, ``_callbacks_failed_total``,
-    ``_undelivered_republished_total``, ``_renew_failures_total``,
+    ``_undelivered_republished_total``, ``_results_written_by_recovery_total``,
+    ``_renew_failures_total``,
     ``_recovery_passes_total{result}``, ``_held`` (gauge),
     ``_time_to_recovery_seconds`` and ``_renew_seconds`` (histograms). The known label
     values (``taken_over``, the lost reasons, the refused outcomes, the pass results)

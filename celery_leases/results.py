@@ -12,15 +12,26 @@ runs chord bookkeeping.
 
 Only the plain success of a task without link callbacks or a chain goes this
 way: Celery sends those before storing, and the stored record must list them
-as children. Every other case keeps Celery's own write (docs/celery.md).
+as children. Every other case keeps Celery's own write (docs/celery.md), and
+its finish *keeps* the result in the store until this process confirms that
+Celery wrote it (protocol/unwritten.py): should the process die in between,
+the recovery pass writes it (``ResultWriter``). The confirmations cost no
+round trip: the ids ride along in this process's next finish.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from celery import states
+from celery.backends.base import DisabledBackend
+
+from .protocol import unwritten
+from .protocol.records import RecoveryReport
+from .protocol.unwritten import KEPT_MAX, UnwrittenResult
+from .signals import result_written_by_recovery
 
 logger = logging.getLogger("celery_leases.results")
 
@@ -90,3 +101,149 @@ def fused_write(task: Any, request: Any, retval: Any, store: Any) -> tuple[str, 
 def mark_stored(request: Any) -> None:
     """Tell Celery's ``mark_as_done`` the result is already stored."""
     request.ignore_result = True
+
+
+# -- kept results -------------------------------------------------------------
+
+def _stores_results(task: Any, request: Any, failure: bool) -> bool:
+    """Whether Celery's tracer will write this outcome's result (its own rule)."""
+    if request.is_eager or isinstance(task.backend, DisabledBackend):
+        return False
+    if get_actual_ignore_result(task, request):
+        return failure and bool(task.store_errors_even_if_ignored)
+    return True
+
+
+def _kept(task: Any, request: Any, state: str, result: Any, traceback: str | None) -> bytes | None:
+    backend = task.backend
+    try:
+        encoded = backend.encode(result)
+    except Exception:  # noqa: BLE001 - Celery's own write reports it (EncodeError -> FAILURE)
+        return None
+    if len(encoded) > KEPT_MAX:
+        return None  # left to Celery's write alone (docs/celery.md)
+    return unwritten.pack(state, task.name, traceback, encoded)
+
+
+def keep_success(task: Any, request: Any, retval: Any) -> bytes | None:
+    """The kept value for a success Celery stores after the finish; None when it stores none."""
+    if not _stores_results(task, request, failure=False):
+        return None
+    try:
+        result = task.backend.encode_result(retval, states.SUCCESS)
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    return _kept(task, request, states.SUCCESS, result, None)
+
+
+def keep_failure(task: Any, request: Any, exc: BaseException, traceback: str | None) -> bytes | None:
+    """The kept value for a failure Celery stores after the finish; None when it stores none."""
+    if not _stores_results(task, request, failure=True):
+        return None
+    try:
+        result = task.backend.prepare_exception(exc)
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    return _kept(task, request, states.FAILURE, result, traceback)
+
+
+class Confirmations:
+    """This process's kept results, and those Celery has written since (to confirm).
+
+    A finish that kept a result records its id here; after the tracer stored the
+    result (``LeasedTask.after_return``) the id moves to the written list, and the
+    process's next finish carries it (``take``). Bounded: past ``CAP`` unconfirmed
+    ids, the oldest are left to recovery, which finds their results written.
+    """
+
+    CAP = 1000
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.kept: dict[str, None] = {}
+        self.written: list[str] = []
+
+    def kept_for(self, task_id: str) -> None:
+        with self.lock:
+            self.kept[task_id] = None
+            if len(self.kept) > self.CAP:
+                del self.kept[next(iter(self.kept))]
+
+    def stored(self, task_id: str) -> None:
+        with self.lock:
+            if self.kept.pop(task_id, 0) is None:
+                self.written.append(task_id)
+                del self.written[:-self.CAP]
+
+    def take(self, store: Any, task_id: str) -> list[str]:
+        """The written ids a finish of ``task_id`` carries (its shard's), taken off the list."""
+        with self.lock:
+            if not self.written:
+                return []
+            riding = unwritten.riding(store, task_id, self.written)
+            if len(riding) == len(self.written):
+                self.written = []
+            else:
+                taken = set(riding)
+                self.written = [t for t in self.written if t not in taken]
+            return riding
+
+
+_confirmations: Confirmations | None = None
+
+
+def confirmations() -> Confirmations:
+    """This process's Confirmations (a prefork child starts with none of its parent's)."""
+    global _confirmations
+    if _confirmations is None or _confirmations.pid != os.getpid():
+        _confirmations = Confirmations()
+    return _confirmations
+
+
+class ResultWriter:
+    """The recovery step that writes kept results nobody confirmed (their process died)."""
+
+    def __init__(self, app: Any, store: Any) -> None:
+        self.app, self.store = app, store
+
+    def __call__(self) -> RecoveryReport:
+        report = RecoveryReport()
+        done, wrote = [], 0
+        for item in unwritten.claim(self.store):
+            try:
+                if self.write(item):
+                    wrote += 1
+                done.append(item.task_id)
+            except Exception as exc:  # noqa: BLE001 - handed out again after publish_grace
+                report.errors.append((item.task_id, exc))
+                logger.error("task %s[%s]: writing its kept %s result failed; tried again in %ss: %r",
+                             item.name, item.task_id, item.state, self.store.publish_grace, exc,
+                             exc_info=True)
+        if done:
+            unwritten.confirm(self.store, done, wrote)
+        report.results_written = wrote
+        return report
+
+    def write(self, item: UnwrittenResult) -> bool:
+        """Store ``item`` unless the backend holds a result for its task; True if written."""
+        backend = self.app.backend
+        meta = backend.get_task_meta(item.task_id, cache=False)
+        if meta.get("status") in states.READY_STATES:
+            return False  # Celery wrote it; only the confirmation was lost
+        value = backend.decode(item.encoded)
+        if item.state == states.FAILURE:
+            value = backend.exception_to_python(value)
+        backend.store_result(item.task_id, value, item.state, traceback=item.traceback)
+        logger.warning("task %s[%s]: %s result written by recovery: the process that finished it "
+                       "died after its outcome was accepted, before Celery stored the result",
+                       item.name, item.task_id, item.state)
+        result_written_by_recovery.send(sender=self.app, task_id=item.task_id, state=item.state)
+        return True
+
+
+def attach(app: Any, store: Any) -> None:
+    """Add the kept-results step to ``store``'s recovery passes (runtime.on_new_store), for
+    the stores of apps install() ran for (their backend writes the results)."""
+    if getattr(app, "_celery_leases_installed", False):
+        store.recovery_steps.append(ResultWriter(app, store))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from typing import Any, NoReturn
 
 from celery import Task
@@ -25,7 +26,7 @@ from .protocol.codes import Code
 from .config import client_config, get_config, task_option_errors
 from .exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
-from .results import fused_write, mark_stored
+from .results import confirmations, fused_write, keep_failure, keep_success, mark_stored
 from .runtime import get_store, get_worker
 from .protocol.settle import settle_finish
 from .signals import delivery_refused, stale_outcome_rejected
@@ -163,11 +164,12 @@ class LeasedTask(Task):
             if not lease.handed_over:  # replace() handed the lease to the replacement
                 self._finish(lease, "succeeded")
             raise
-        except Exception:
-            self._finish(lease, "failed")
+        except Exception as exc:
+            self._finish(lease, "failed", kept=keep_failure(self, request, exc, traceback.format_exc()))
             raise
         write = fused_write(self, request, retval, lease.store)
-        self._finish(lease, "succeeded", write=write)
+        self._finish(lease, "succeeded", write=write,
+                     kept=None if write is not None else keep_success(self, request, retval))
         if write is not None:
             mark_stored(request)
         if request.callbacks or request.chain:
@@ -232,26 +234,42 @@ class LeasedTask(Task):
         raise StaleOutcome(f"task {lease.task_id} (token {lease.token}) not started: lease {reason}")
 
     def _finish(self, lease: Lease, outcome: str, next_attempt: int = 0,
-                retry_grace: float | None = None, write: Any = None) -> None:
+                retry_grace: float | None = None, write: Any = None, kept: bytes | None = None) -> None:
         """Record the outcome, or raise StaleOutcome so nothing of it leaves the worker.
 
         A finish whose reply is lost is sent again until the store answers
         (settle.py), for up to the lease's ttl: the answer says whether it was
         applied, never an assumption. Past that no copy can apply any more, and
         the outcome is withheld for recovery to re-run the task.
+
+        ``kept``: the result Celery writes after this finish, kept in the store
+        until ``after_return`` says it was written (results.py); the written
+        ones of earlier tasks ride along.
         """
         store = lease.store
+        ttl = self.lease_ttl or get_config(self.app).ttl
+        confirmed = confirmations()
+        written = confirmed.take(store, lease.task_id) if outcome != "retry" else []
 
         def send(not_after: int) -> None:
             store.finish(lease.task_id, lease.owner, lease.token, outcome, next_attempt=next_attempt,
-                         retry_grace=retry_grace, write=write, not_after=not_after)
+                         retry_grace=retry_grace, write=write, not_after=not_after,
+                         kept=kept, kept_due=ttl, written=written)
 
         try:
-            settle_finish(store, send, bound=self.lease_ttl or get_config(self.app).ttl,
-                          task_id=lease.task_id, token=lease.token)
+            settle_finish(store, send, bound=ttl, task_id=lease.task_id, token=lease.token)
         except LeaseLost as exc:
             lease._lost = True
             refuse(self, lease.task_id, lease.token, outcome, exc.reason)
+        if kept is not None:
+            confirmed.kept_for(lease.task_id)
+
+    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
+                     einfo: Any) -> None:
+        """Celery's tracer stored this task's result: a result the finish kept is confirmed
+        by this process's next finish. (A subclass overriding this without ``super()`` only
+        leaves its confirmations to recovery, which finds the results written.)"""
+        confirmations().stored(task_id)
 
     def _store_call(self, fn, lease: Lease) -> Any:
         """One retry on an unreachable store, then give up (a release: recovery takes the lease

@@ -28,8 +28,8 @@ What is counted, per task:
 - **backend missing (crash window)**: leases mode only; the lease record holds
   an accepted outcome but the backend never got it, *and* the accepting
   process was SIGKILLed after its body ended and before Celery wrote the
-  result. docs/celery.md documents this window. Without such a kill it is
-  counted under "backend disagrees".
+  result, and recovery did not write the result the finish kept (docs/celery.md).
+  Without such a kill it is counted under "backend disagrees".
 - **malformed bodies run**: bodies that ran for a malformed message (a raw publish with
   a bad id or a non-integer ``lease_generation``/``retries`` header; ``seq`` < 0): such a
   message must be refused or parked, never run. An invariant in leases mode.

@@ -27,7 +27,8 @@ STATE_CHOICES = (*STATES, "finished", "all")
 #: Lifetime counters of ``LeaseStore.stats()`` (docs/design.md), shown as 0 until they first move.
 COUNTERS = ("acquired", "taken_over", "busy_deliveries", "stale_deliveries", "finished_deliveries",
             "recovered", "dead", "stalled", "refused", "retried", "succeeded", "failed", "revoked",
-            "reasserted", "rerun", "queued", "undelivered_republished", "undelivered_expired")
+            "reasserted", "rerun", "queued", "undelivered_republished", "undelivered_expired",
+            "results_written")
 
 
 class NotFound(LeaseError):

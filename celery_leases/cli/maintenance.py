@@ -46,6 +46,9 @@ def recover(ctx: click.Context, dry_run: bool, limit: int | None, as_json: bool)
     else:
         click.echo(f"recovered {report.recovered}, dead {report.dead}, "
                    f"publish failed {report.publish_failed}, corrupt {report.corrupt}")
+        if report.results_written:
+            click.echo(f"results written {report.results_written} (kept results of tasks whose "
+                       f"process died before Celery stored them)")
         for error in errors:
             click.echo(f"  {error['task_id']}: {error['error']} (claimed again after the publish grace)")
     if report.publish_failed:

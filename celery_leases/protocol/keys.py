@@ -37,6 +37,19 @@ class ShardKeys:
         return f"{self.tag}:queued"
 
     @property
+    def unwritten(self) -> str:
+        """Sorted set: task id -> when (ms) recovery writes the result this shard keeps for it.
+
+        An accepted outcome whose result Celery writes after the finish keeps that
+        result here until the writing process confirms it (unwritten.py)."""
+        return f"{self.tag}:unwritten"
+
+    @property
+    def unwritten_results(self) -> str:
+        """Hash: task id -> the kept result (unwritten.py) of this shard's tasks in ``unwritten``."""
+        return f"{self.tag}:unwritten:results"
+
+    @property
     def sequence(self) -> str:
         """Counter this shard's fencing tokens are drawn from."""
         return f"{self.tag}:seq"

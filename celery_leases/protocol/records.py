@@ -136,6 +136,9 @@ class RecoveryReport:
     undelivered_expired: int = 0
     #: True when the pass ran the undelivered step (publish tracking on): as_dict shows its counts.
     tracked: bool = False
+    #: Kept results recovery wrote because their process died before Celery did (unwritten.py);
+    #: None when the pass ran no such step (a store without the Celery wiring).
+    results_written: int | None = None
 
     def __iadd__(self, other: "RecoveryReport") -> "RecoveryReport":
         self.recovered += other.recovered
@@ -145,6 +148,8 @@ class RecoveryReport:
         self.undelivered += other.undelivered
         self.undelivered_expired += other.undelivered_expired
         self.tracked = self.tracked or other.tracked
+        if other.results_written is not None:
+            self.results_written = (self.results_written or 0) + other.results_written
         self.errors.extend(other.errors)
         return self
 
@@ -153,6 +158,8 @@ class RecoveryReport:
                "publish_failed": self.publish_failed, "corrupt": self.corrupt}
         if self.tracked:
             out.update(undelivered=self.undelivered, undelivered_expired=self.undelivered_expired)
+        if self.results_written is not None:
+            out["results_written"] = self.results_written
         return out
 
 

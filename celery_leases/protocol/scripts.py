@@ -23,6 +23,7 @@ SCRIPT_NAMES = (
     "revoke",
     "mark_started",
     "enqueue", "claim_undelivered", "forget",
+    "claim_unwritten", "results_written",
 )
 
 

@@ -146,7 +146,9 @@ class LeaseStore:
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,
-               write: tuple[str, bytes | str, int] | None = None, not_after: int = 0) -> None:
+               write: tuple[str, bytes | str, int] | None = None, not_after: int = 0,
+               kept: bytes | None = None, kept_due: float = 0.0,
+               written: Sequence[str] = ()) -> None:
         """Record the owner's outcome; raises LeaseLost when the caller is not the owner.
 
         ``retry`` hands the lease to attempt ``next_attempt``, which must acquire
@@ -157,6 +159,11 @@ class LeaseStore:
         also SET ``key`` and PUBLISH ``value`` on the channel ``key`` in the same
         script, so an accepted outcome and its result record land together and
         a refused one writes neither (``key`` must live on the same server).
+        ``kept`` (unwritten.pack), with an accepted terminal outcome whose result
+        the caller writes afterwards: kept in the store until confirmed, and
+        written by recovery ``kept_due`` seconds on if never confirmed.
+        ``written``: ids of this task's shard whose kept results were written
+        since (unwritten.riding); they are confirmed whatever the answer.
 
         Safe to send again when its reply was lost: the same finish of the same
         owner and token answers OK once applied. ``not_after`` (server-clock
@@ -180,11 +187,17 @@ class LeaseStore:
                     ms(max(0.0, wait - self.publish_grace)), ms(self.delivery_timeout or 0)]
         else:
             script = scripts.finish
-            keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id), shard.sequence]
+            if write is not None and kept is not None:
+                raise ValueError(f"finish: task {task_id}: a result written by the finish is not kept too")
+            keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id), shard.sequence,
+                    shard.unwritten, shard.unwritten_results]
             args = [task_id, owner, int(token), outcome, ms(self.retention), int(not_after)]
             if write is not None:
                 keys.append(write[0])
-                args.extend((write[1], int(write[2] or 0)))
+                args += [write[1], int(write[2] or 0)]
+            else:
+                args += ["", 0]
+            args += [kept or "", ms(kept_due), *written]
         reply = self.calls.run(script, keys, args, f"task {task_id}, key {key}")
         raise_if_corrupt(reply, f"finish of task {task_id}")
         code, current, state = reply

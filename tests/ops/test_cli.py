@@ -189,10 +189,12 @@ def test_recover_dry_run_claims_nothing_and_recover_republishes(cli, store, clie
     record = store.get(result.id)
     assert (record.state, record.generation, record.recoveries) == ("recovering", 1, 1)
     assert redis_client.llen(key_prefix) == 1   # the copy waits in the test's queue
-    # (publish tracking on, the default: the undelivered step's figures too)
+    # (publish tracking on, the default: the undelivered step's figures too; and the
+    # kept results recovery wrote)
     assert json.loads(ok(cli("recover", "--json"))) == {"recovered": 0, "dead": 0,
                                                         "publish_failed": 0, "corrupt": 0, "errors": [],
-                                                        "undelivered": 0, "undelivered_expired": 0}
+                                                        "undelivered": 0, "undelivered_expired": 0,
+                                                        "results_written": 0}
 
 
 # -- stats and top --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import redis
 from celery_leases import Code, LeaseStore
 from celery_leases.protocol.direct import DirectCaller
 from celery_leases.protocol.fencing import fenced_set
-from celery_leases.protocol import scripts as scripts_module
+from celery_leases.protocol import scripts as scripts_module, unwritten
 from celery_leases.protocol.scripts import SCRIPT_NAMES, Script, source
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
 
@@ -250,6 +250,11 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     store.finish("t4", "w", handed.token, "retry", next_attempt=1)
     other = store.acquire("t2", "w")
     store.finish("t2", "w", other.token, "succeeded", write=(f"{key_prefix}:result:t2", "r", 0))
+    kept = store.acquire("t6", "w")
+    store.finish("t6", "w", kept.token, "failed", kept=unwritten.pack("FAILURE", "n", None, b"{}"),
+                 kept_due=0.001, written=["t2"])
+    time.sleep(0.01)
+    unwritten.confirm(store, [c.task_id for c in unwritten.claim(store)], wrote=1)
     store.revoke("t3", name="proj.add")
     store.purge()
     store.park("t3", "corrupt", body=b"b", envelope={"x": 1}, key="k", field="f")

@@ -41,6 +41,9 @@
                              max_recoveries, started, unstarted_recoveries, hn, body, envelope;
                              ``extra``: more field/value pairs), store the message when a body
                              is given, index the deadline; acquire.lua and reassert.lua
+  drop_unwritten(index, results, ids, from)
+                             forget the kept results (unwritten.py) of ids[from..]: Celery
+                             wrote them; finish.lua (riding along) and results_written.lua
 ]]
 local function now_ms()
   local t = redis.call('TIME')
@@ -218,4 +221,11 @@ local function activate(key, deadlines, stats, message, l, extra)
   redis.call('PERSIST', key)
   redis.call('ZADD', deadlines, l.now + l.ttl, l.task_id)
   count(stats, 'acquired', 1)
+end
+
+local function drop_unwritten(index, results, ids, from)
+  for i = from, #ids do
+    redis.call('ZREM', index, ids[i])
+    redis.call('HDEL', results, ids[i])
+  end
 end

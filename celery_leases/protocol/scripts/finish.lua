@@ -13,6 +13,14 @@
   as LATE and changes nothing, so once the caller has given up no copy can
   apply the outcome behind its back.
 
+  An outcome whose result Celery writes only after this finish (not in the
+  same script: another backend or server, callbacks, a failure) may pass that
+  result in ARGV[9]: it is kept in the shard's unwritten results, due at
+  ARGV[10] ms from now, until the writing process confirms Celery wrote it
+  (its ids ride along in a later finish, ARGV[11..]). A process that dies in
+  between leaves it there, and recovery writes it (unwritten.py): an accepted
+  outcome never ends without its result.
+
   A holder of token T finding no record (the store restarted empty, a failover
   lost the write) re-asserts it (reassert_record in the prelude), then writes
   the outcome (docs/redis-deployments.md).
@@ -29,18 +37,25 @@
     ARGV[4] outcome: succeeded | failed | revoked
     ARGV[5] retention in ms
     ARGV[6] server-clock ms after which this finish must not apply (0: no limit)
-    KEYS[6] optional: a key written together with an accepted outcome
+    KEYS[6] unwritten results sorted set of the task's shard
+    KEYS[7] unwritten results hash of the task's shard
+    KEYS[8] optional: a key written together with an accepted outcome
             (a result-backend record: the outcome and its result then land
             atomically, or neither does)
-    ARGV[7] optional, with KEYS[6]: value stored at KEYS[6] and published on the channel KEYS[6]
-    ARGV[8] optional, with KEYS[6]: seconds KEYS[6] lives (0: no expiry)
+    ARGV[7] value stored at KEYS[8] and published on the channel KEYS[8] ('' without KEYS[8])
+    ARGV[8] seconds KEYS[8] lives (0: no expiry)
+    ARGV[9] the outcome's result to keep until Celery wrote it ('': none)
+    ARGV[10] ms from now when recovery writes a kept result nobody confirmed
+    ARGV[11..] ids of tasks of this shard whose kept results Celery has written since
+            (confirmations riding along): dropped from KEYS[6] and KEYS[7] whatever the
+            answer about this task
 
   Output: {code, token, state}, or {CORRUPT, key, field, detail}
     OK        the outcome was accepted (now, or by an earlier copy of this finish)
     LOST      another owner's token is current, or the lease was released or recovered
     FINISHED  the record was already terminal
     MISSING   there is no record for this task id and the caller holds no token (a holder re-asserts)
-    LATE      the finish reached the server after ARGV[6]: nothing was changed
+    LATE      the finish reached the server after ARGV[6]: nothing of this task was changed
     CORRUPT   the record, the deadline index or the token sequence is not what this
               protocol wrote; nothing written
 ]]
@@ -48,7 +63,8 @@ local key, deadlines, stats, message, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], 
 local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local retention = tonumber(ARGV[5])
 local not_after = tonumber(ARGV[6]) or 0
-local result_key = KEYS[6]
+local unwritten, unwritten_results, result_key = KEYS[6], KEYS[7], KEYS[8]
+local kept, kept_due = ARGV[9] or "", tonumber(ARGV[10]) or 0
 
 local function write_result()
   if result_key then
@@ -65,7 +81,9 @@ end
 local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
 if bad then return bad end
 bad = check_type(deadlines, 'zset') or check_type(seq, 'string')
+    or check_type(unwritten, 'zset') or check_type(unwritten_results, 'hash')
 if bad then return bad end
+drop_unwritten(unwritten, unwritten_results, ARGV, 11)
 local now = now_ms()
 local current = num(rec, key, 'token')
 -- The same finish again (its first reply was lost): already applied, answer as then.
@@ -86,4 +104,8 @@ current = token
 end_lease(key, deadlines, message, task_id, outcome, now, retention)
 count(stats, outcome, 1)
 write_result()
+if kept ~= '' then
+  redis.call('HSET', unwritten_results, task_id, kept)
+  redis.call('ZADD', unwritten, now + kept_due, task_id)
+end
 return {OK, current, outcome}
