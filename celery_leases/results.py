@@ -27,6 +27,7 @@ from typing import Any
 
 from celery import states
 from celery.backends.base import DisabledBackend
+from celery.signals import worker_process_shutdown, worker_shutdown
 
 from .protocol import unwritten
 from .protocol.records import RecoveryReport
@@ -163,9 +164,12 @@ class Confirmations:
         self.lock = threading.Lock()
         self.kept: dict[str, None] = {}
         self.written: list[str] = []
+        #: The store of the latest finish that kept a result: where ``flush`` confirms.
+        self.store: Any = None
 
-    def kept_for(self, task_id: str) -> None:
+    def kept_for(self, store: Any, task_id: str) -> None:
         with self.lock:
+            self.store = store
             self.kept[task_id] = None
             if len(self.kept) > self.CAP:
                 del self.kept[next(iter(self.kept))]
@@ -189,6 +193,18 @@ class Confirmations:
                 self.written = [t for t in self.written if t not in taken]
             return riding
 
+    def flush(self) -> None:
+        """Confirm the written ids no finish carried (the process is exiting: a prefork child
+        recycled by ``worker_max_tasks_per_child``, a worker shutting down). Best effort:
+        what is not confirmed is checked by recovery."""
+        with self.lock:
+            ids, self.written, store = self.written, [], self.store
+        if ids and store is not None:
+            try:
+                unwritten.confirm(store, ids)
+            except Exception as exc:  # noqa: BLE001 - recovery finds these results written
+                logger.debug("confirming %d written result(s) at exit failed: %r", len(ids), exc)
+
 
 _confirmations: Confirmations | None = None
 
@@ -199,6 +215,13 @@ def confirmations() -> Confirmations:
     if _confirmations is None or _confirmations.pid != os.getpid():
         _confirmations = Confirmations()
     return _confirmations
+
+
+@worker_process_shutdown.connect(weak=False, dispatch_uid="celery_leases.results.child")
+@worker_shutdown.connect(weak=False, dispatch_uid="celery_leases.results.worker")
+def _confirm_at_exit(**kwargs: Any) -> None:
+    if _confirmations is not None and _confirmations.pid == os.getpid():
+        _confirmations.flush()
 
 
 class ResultWriter:

@@ -262,7 +262,7 @@ class LeasedTask(Task):
             lease._lost = True
             refuse(self, lease.task_id, lease.token, outcome, exc.reason)
         if kept is not None:
-            confirmed.kept_for(lease.task_id)
+            confirmed.kept_for(store, lease.task_id)
 
     def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
                      einfo: Any) -> None:

@@ -110,11 +110,24 @@ def test_results_celery_wrote_are_confirmed_without_a_round_trip_and_never_rewri
     results = [add(client_app).delay(i, 1) for i in range(8)]
     assert [r.get(timeout=20) for r in results] == [i + 1 for i in range(8)]
 
-    # Then each finish carried the confirmation of the one before: at most the last is kept
-    assert unwritten.count(store) <= 1
+    # Then each finish carried the confirmation of the one before: only the last is kept
+    assert unwritten.count(store) == 1
     # And recovery, once it is due, finds that one written and writes nothing
     time.sleep(2.2)
     report = celery_leases.store(client_app).recover()
     assert report.results_written == 0
     assert unwritten.count(store) == 0
     assert store.stats().get("results_written", 0) == 0
+
+
+def test_a_process_that_exits_confirms_what_no_finish_carried(start_worker, client_app):
+    # Given a worker whose pool process ran tasks; the last one's confirmation is pending
+    worker = start_worker("a", concurrency=1)
+    store = celery_leases.store(client_app)
+    results = [add(client_app).delay(i, 2) for i in range(3)]
+    assert [r.get(timeout=20) for r in results] == [2, 3, 4]
+    assert unwritten.count(store) == 1
+    # When the worker shuts down warmly (its pool process exits)
+    worker.stop()
+    # Then the process confirmed it on its way out: nothing is left for recovery to check
+    assert unwritten.count(store) == 0
