@@ -23,10 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from celery import states
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from .protocol import unwritten
@@ -106,9 +108,15 @@ def mark_stored(request: Any) -> None:
 
 # -- kept results -------------------------------------------------------------
 
+#: Seconds recovery keeps trying to write a kept result before it gives up (logged).
+KEPT_GIVE_UP = 3600.0
+
+
 def _stores_results(task: Any, request: Any, failure: bool) -> bool:
-    """Whether Celery's tracer will write this outcome's result (its own rule)."""
-    if request.is_eager or isinstance(task.backend, DisabledBackend):
+    """Whether Celery's tracer will write this outcome's result (its own rule), to a backend
+    recovery can write to as well (not the RPC backend: its results go to the caller's
+    reply queue, named only in the request)."""
+    if request.is_eager or isinstance(task.backend, (DisabledBackend, RPCBackend)):
         return False
     if get_actual_ignore_result(task, request):
         return failure and bool(task.store_errors_even_if_ignored)
@@ -240,6 +248,12 @@ class ResultWriter:
                 done.append(item.task_id)
             except Exception as exc:  # noqa: BLE001 - handed out again after publish_grace
                 report.errors.append((item.task_id, exc))
+                if time.time() - item.kept_at > KEPT_GIVE_UP:
+                    done.append(item.task_id)
+                    logger.error("task %s[%s]: its kept %s result could not be written for %.0fs; "
+                                 "given up, the backend has no result for it: %r", item.name,
+                                 item.task_id, item.state, time.time() - item.kept_at, exc)
+                    continue
                 logger.error("task %s[%s]: writing its kept %s result failed; tried again in %ss: %r",
                              item.name, item.task_id, item.state, self.store.publish_grace, exc,
                              exc_info=True)

@@ -18,6 +18,7 @@ Celery: the wiring encodes and writes (results.py).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -45,18 +46,22 @@ class UnwrittenResult:
     traceback: str | None
     #: The result as the backend encoded it (``backend.encode``).
     encoded: bytes
+    #: When the finish kept it (the finishing process's clock, seconds since the epoch).
+    kept_at: float = 0.0
 
     @classmethod
     def unpack(cls, task_id: str, value: bytes) -> "UnwrittenResult":
         head, _, encoded = value.partition(b"\n")
         meta = json.loads(head)
         return cls(task_id, str(meta["state"]), str(meta.get("name") or ""), meta.get("traceback"),
-                   encoded)
+                   encoded, float(meta.get("at") or 0.0))
 
 
-def pack(state: str, name: str, traceback: str | None, encoded: bytes | str) -> bytes:
-    """The kept value finish.lua stores for one outcome."""
-    head = json.dumps({"state": state, "name": name, "traceback": traceback},
+def pack(state: str, name: str, traceback: str | None, encoded: bytes | str,
+         at: float | None = None) -> bytes:
+    """The kept value finish.lua stores for one outcome (``at``: now by default)."""
+    head = json.dumps({"state": state, "name": name, "traceback": traceback,
+                       "at": round(time.time() if at is None else at, 3)},
                       separators=(",", ":")).encode()
     return head + b"\n" + (encoded.encode("utf-8") if isinstance(encoded, str) else encoded)
 

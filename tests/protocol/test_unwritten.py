@@ -35,8 +35,11 @@ def test_an_accepted_finish_keeps_its_result_until_due_then_recovery_gets_it(sto
     time.sleep(0.35)
     claimed = unwritten.claim(store)
 
-    # Then recovery gets exactly what was kept
-    assert claimed == [unwritten.UnwrittenResult("t1", "SUCCESS", "proj.add", None, b'{"x": 1}')]
+    # Then recovery gets exactly what was kept, and when
+    [item] = claimed
+    assert (item.task_id, item.state, item.name, item.traceback, item.encoded) == (
+        "t1", "SUCCESS", "proj.add", None, b'{"x": 1}')
+    assert 0 < time.time() - item.kept_at < 30
     # And a second pass at once is not handed it again (its due time moved ahead)
     assert unwritten.claim(store) == []
 

@@ -131,3 +131,27 @@ def test_a_process_that_exits_confirms_what_no_finish_carried(start_worker, clie
     worker.stop()
     # Then the process confirmed it on its way out: nothing is left for recovery to check
     assert unwritten.count(store) == 0
+
+
+@pytest.mark.parametrize("age, left", [(60.0, True), (7200.0, False)])
+def test_a_kept_result_recovery_cannot_write_is_retried_then_given_up(celery_env, age, left, caplog):
+    # Given a kept result, due, for an app whose result backend does not answer
+    from tests.support.apps.leased_app import create_app
+    app = create_app({**celery_env, "LEASES_TEST_BACKEND": "redis://127.0.0.1:1/0"})
+    try:
+        store = celery_leases.store(app)
+        acq = store.acquire("t-unwritable", "w")
+        kept = unwritten.pack("SUCCESS", "proj.add", None, b"5", at=time.time() - age)
+        store.finish("t-unwritable", "w", acq.token, "succeeded", kept=kept, kept_due=0.001)
+        time.sleep(0.01)
+        # When a recovery pass tries to write it
+        report = store.recover()
+        # Then the failure is reported and named; a recent one is kept for the next try,
+        # one past the give-up age is dropped, logged as given up
+        assert [task_id for task_id, _ in report.errors] == ["t-unwritable"]
+        assert report.results_written == 0
+        assert unwritten.count(store) == (1 if left else 0)
+        assert ("given up" in caplog.text) is not left
+        assert "t-unwritable" in caplog.text
+    finally:
+        app.close()
