@@ -58,6 +58,8 @@ class Recoverer:
         error = claim.error
         # A record of the wrong type has no readable name; the stored message's headers do.
         name = claim.name or str((claim.envelope.get("headers") or {}).get("task") or "")
+        if self.store is None:
+            raise LeaseError(f"task {claim.task_id}: the recoverer has no store to park it in")
         park_delivery(self.app, self.store, claim.task_id,
                       f"corrupt lease record found by recovery: {error}", name=name,
                       body=claim.body, envelope=claim.envelope,

@@ -154,7 +154,7 @@ class _Batch:
 
     def __init__(self) -> None:
         self.conns: dict[int, tuple[QueuedTasks, Any]] = {}
-        self.entries: list[tuple[Any, Outage]] = []
+        self.entries: list[tuple[Any, "PublishOutage"]] = []
 
     def send(self, tracked: QueuedTasks, task: QueuedTask, outage: PublishOutage) -> "_Batched":
         key = id(tracked)
@@ -260,6 +260,7 @@ def record_publish(sender: Any = None, body: Any = None, exchange: Any = None, r
             pending.append(_Held(message))
             return
         batch = _batch.get()
+        sent: Any
         if batch is not None:
             sent = batch.send(tracked, message, outage) if tracked.can_send() else None
         else:

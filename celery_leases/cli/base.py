@@ -113,6 +113,7 @@ def _command(fn: Callable) -> Callable:
     """
     @functools.wraps(fn)
     def wrapper(ctx: click.Context, *args: Any, **kwargs: Any) -> Any:
+        error: BaseException
         try:
             result = fn(ctx, *args, **kwargs)
             sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
@@ -161,7 +162,7 @@ class HelpArgument(click.Argument):
             metavar = self.make_metavar(ctx)  # click >= 8.2
         except TypeError:
             metavar = self.make_metavar()  # type: ignore[call-arg]
-        return metavar, self.help
+        return metavar, self.help or ""
 
 
 class LeasesCommand(CeleryCommand):

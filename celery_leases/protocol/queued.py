@@ -144,7 +144,7 @@ class QueuedTasks:
         return self.store.client.connection_pool.get_connection()
 
     def give_back(self, conn: Any) -> None:
-        if conn is self._line:
+        if self._line is not None and conn is self._line:
             conn.give_back()
         else:
             self.store.client.connection_pool.release(conn)
@@ -156,7 +156,7 @@ class QueuedTasks:
         ``release``: the reply's reader gives ``conn`` back (else the caller does)."""
         command = self._enqueue_command(task)
         try:
-            if conn is self._line:
+            if self._line is not None and conn is self._line:
                 conn.write(command)
             else:
                 conn.send_packed_command([command])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .calls import ms
 from .records import raise_if_corrupt
@@ -83,7 +83,7 @@ def claim(store: "LeaseStore", limit: int | None = None) -> list[UnwrittenResult
 def confirm(store: "LeaseStore", task_ids: Iterable[str], wrote: int = 0) -> None:
     """Celery wrote the results of ``task_ids`` (``wrote`` of them by recovery)."""
     by_shard = store.keys.by_shard(task_ids)
-    calls = []
+    calls: list[tuple[list[str], list[Any]]] = []
     for index, ids in by_shard.items():
         shard = store.keys.shard(index)
         calls.append(([shard.unwritten, shard.unwritten_results, shard.stats],
