@@ -14,7 +14,9 @@ from celery_leases import CorruptRecord, LeaseLost
 from celery_leases.protocol import unwritten
 from tests.protocol.scripts_support import A, B, acquire
 
-KEPT = unwritten.pack("SUCCESS", "proj.add", None, b'{"x": 1}')
+#: When the kept results of these tests were kept (any fixed moment: it travels as written).
+KEPT_AT = 1_700_000_000.5
+KEPT = unwritten.pack("SUCCESS", "proj.add", None, b'{"x": 1}', at=KEPT_AT)
 
 
 def kept_ids(store) -> dict[str, float]:
@@ -39,7 +41,7 @@ def test_an_accepted_finish_keeps_its_result_until_due_then_recovery_gets_it(sto
     [item] = claimed
     assert (item.task_id, item.state, item.name, item.traceback, item.encoded) == (
         "t1", "SUCCESS", "proj.add", None, b'{"x": 1}')
-    assert 0 < time.time() - item.kept_at < 30
+    assert item.kept_at == KEPT_AT
     # And a second pass at once is not handed it again (its due time moved ahead)
     assert unwritten.claim(store) == []
 
@@ -129,3 +131,13 @@ def test_confirmations_ride_only_with_a_finish_of_their_shard(make_store):
     # Then a finish of t0 carries only its own shard's confirmations
     assert unwritten.riding(store, "t0", ids) == same
     assert other and not set(other) & set(unwritten.riding(store, "t0", ids))
+
+
+def test_a_kept_result_records_when_it_was_kept():
+    # Given a result packed now, and one with its moment given
+    before = time.time()
+    now = unwritten.UnwrittenResult.unpack("t", unwritten.pack("FAILURE", "n", "Traceback ...", b"{}"))
+    # Then each carries its moment, and its fields, through the store's opaque value
+    assert before - 0.01 <= now.kept_at <= time.time() + 0.01
+    assert (now.state, now.name, now.traceback, now.encoded) == ("FAILURE", "n", "Traceback ...", b"{}")
+    assert unwritten.UnwrittenResult.unpack("t", KEPT).kept_at == KEPT_AT
