@@ -128,7 +128,12 @@ def round_trips(delta: dict) -> float:
     script calls, and every command no lease script runs (the benchmark's own INFO left out
     by ``stats_delta``). A command a client sends that a script also runs (TIME, a clock
     reading) is not counted: none is sent per task."""
+    if SHARED:
+        return sum(v["calls"] for cmd, v in delta.items() if cmd in ("evalsha", "eval"))
     return sum(v["calls"] for cmd, v in delta.items() if cmd not in INSIDE_SCRIPTS)
+
+
+SHARED = False
 
 
 #: The whole machine's busy CPU time, beside the benchmark's own processes.
@@ -478,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, help="tasks per batch (default 2000, --quick 100)")
     parser.add_argument("--rounds", type=int, help="rounds of each kind and case (default 5, --quick 1)")
     parser.add_argument("--pools", help="comma-separated pools (default prefork,threads,solo; --quick prefork)")
+    parser.add_argument("--layout", choices=("apart", "shared"), default="apart",
+                        help="apart: the lease store on a redis-server of its own; shared: on the broker's")
     parser.add_argument("--no-heartbeat", action="store_true", help="skip the heartbeat measurement")
     parser.add_argument("--loglevel", default="WARNING", help="worker log level (default: %(default)s)")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results-overhead.json"),
@@ -499,14 +506,20 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
         url, server = redis_url(cleanup)
-        lease_server = RedisServer()
-        cleanup.push(lease_server.cleanup)
-        lease_server.start()
-        leases_url = lease_server.url
         client = redis.Redis.from_url(url)
         cleanup.push(client.close)
-        lease_client = redis.Redis.from_url(leases_url)
-        cleanup.push(lease_client.close)
+        lease_server: RedisServer | None = None
+        if args.layout == "shared":
+            leases_url, lease_client = url, client
+        else:
+            lease_server = RedisServer()
+            cleanup.push(lease_server.cleanup)
+            lease_server.start()
+            leases_url = lease_server.url
+            lease_client = redis.Redis.from_url(leases_url)
+            cleanup.push(lease_client.close)
+        global SHARED
+        SHARED = args.layout == "shared"
         prefix = f"bench{uuid.uuid4().hex[:8]}"
         for pattern in (f"{{{prefix}}}*", f"{{{prefix}-hb}}*"):
             cleanup.push(lambda p=pattern: delete_pattern(client, p))
@@ -541,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
                 "untracked": create_app({**env, "LEASES_BENCH_DELIVERY_TIMEOUT": "0"})}
         for app in apps.values():
             cleanup.push(app.close)
-        servers = {"redis-server, broker": server.process.pid if server and server.process else None,
-                   "redis-server, leases": lease_server.process.pid if lease_server.process else None}
+        servers = {"redis-server, broker": server.process.pid if server and server.process else None}
+        if lease_server is not None:
+            servers["redis-server, leases"] = lease_server.process.pid if lease_server.process else None
         for pool in pools:
             worker = bench_worker(f"overhead-{pool}", "bench.overhead_app", env, pool=pool,
                                   concurrency=POOLS[pool], log_dir=log_dir, loglevel=args.loglevel)

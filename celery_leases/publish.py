@@ -24,6 +24,10 @@ from celery.signals import before_task_publish
 PUBLISH_HEADER = "lease_publish"
 #: Longest publish id a delivery may carry (the store keeps them in small hash fields).
 MAX_PUBLISH_ID = 64
+#: Message header set by a publisher that records the message in the lease store first
+#: (publish tracking, tracking.py): the worker's acquire then leaves the message out,
+#: since the store holds it already (LeaseStore.acquire(recorded=True)).
+RECORDED_HEADER = "lease_recorded"
 
 
 def new_publish_id() -> str:

@@ -39,7 +39,8 @@ from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
 from kombu.serialization import dumps
 
-from . import publish as _publish  # noqa: F401 - its publish id stamp must run before the record
+# (Importing publish first connects its publish id stamp before the record below.)
+from .publish import PUBLISH_HEADER, RECORDED_HEADER
 from .config import client_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .messages import publish_raw, request_of
@@ -253,6 +254,11 @@ def record_publish(sender: Any = None, body: Any = None, exchange: Any = None, r
         tracked = queued_tasks(app)
         if tracked is None:
             return
+        if not headers.get("retries"):
+            # The worker's acquire may leave the message out (the store holds it); a retry's
+            # record exists already and keeps the first message, so a retry's is always sent.
+            # Set before message_of: the stored copy carries it too.
+            headers[RECORDED_HEADER] = "1"
         message = message_of(app, sender, body, exchange, routing_key, headers, properties or {},
                              serializer, compression, _delivery_mode(app, delivery_mode, kwargs.get("declare")))
         if outage.skipping():  # the store just failed to answer: hold it without waiting again
@@ -483,7 +489,8 @@ def message_of(app: Any, name: str, body: Any, exchange: Any, routing_key: Any, 
                 "content_encoding": content_encoding}
     eta, expires = headers.get("eta"), headers.get("expires")
     return QueuedTask(str(headers["id"]), name, data, envelope,
-                      eta_ms=_epoch_ms(eta) if eta else 0, expires_ms=_epoch_ms(expires) if expires else 0)
+                      eta_ms=_epoch_ms(eta) if eta else 0, expires_ms=_epoch_ms(expires) if expires else 0,
+                      publish=str(headers.get(PUBLISH_HEADER) or ""))
 
 
 def _defaults(app: Any) -> tuple[str, str | None, Any]:

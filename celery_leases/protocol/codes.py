@@ -38,6 +38,10 @@ class Code(enum.IntEnum):
     #: an unknown state, a key of the wrong type); nothing was written. The reply names
     #: the key and the field: {CORRUPT, key, field, detail}.
     CORRUPT = 14
+    #: acquire: the caller left the message out (its publisher recorded it) and the store
+    #: does not hold that publish's message; nothing was written. LeaseStore.acquire then
+    #: sends the acquire again with the message: no caller sees this code.
+    NO_MESSAGE = 15
     #: finish: the call reached the server after its not-after moment (its caller had
     #: given up waiting): nothing was changed. Numbered apart from the codes above.
     LATE = 20

@@ -53,6 +53,9 @@ class QueuedTask:
     eta_ms: int = 0
     #: Expiry in ms since the epoch (the publisher's clock), 0 when none.
     expires_ms: int = 0
+    #: The message's publish id ('' when none): kept with the stored message, so the
+    #: acquire of this very publish may leave the message out (acquire.lua ARGV[14]).
+    publish: str = ""
 
 
 @dataclass
@@ -104,7 +107,7 @@ class QueuedTasks:
         shard = keys.shard_for(task.task_id)
         return ([keys.record(task.task_id), shard.queued, keys.message(task.task_id), shard.stats],
                 [task.task_id, task.name, task.body, compact_json(dict(task.envelope)),
-                 self._timeout_ms, int(task.eta_ms or 0), int(task.expires_ms or 0)])
+                 self._timeout_ms, int(task.eta_ms or 0), int(task.expires_ms or 0), task.publish])
 
     def enqueue(self, task: QueuedTask) -> tuple[Code, str]:
         """Record ``task`` as queued: (OK, "queued"), or (BUSY/FINISHED, state) when a
@@ -190,13 +193,15 @@ class QueuedTasks:
         env = compact_json(envelope if type(envelope) is dict else dict(envelope)).encode()
         tid = task_id.encode()
         eta, expires = b"%d" % int(task.eta_ms or 0), b"%d" % int(task.expires_ms or 0)
+        pub = task.publish.encode()
         return b"".join((
-            b"*14\r\n", self._packed_head,
+            b"*15\r\n", self._packed_head,
             b"$%d\r\n%s\r\n" % (len(record), record), queued,
             b"$%d\r\n%s\r\n" % (len(message), message), stats,
             b"$%d\r\n%s\r\n" % (len(tid), tid), b"$%d\r\n%s\r\n" % (len(name), name),
             b"$%d\r\n" % len(body), body, b"\r\n", b"$%d\r\n%s\r\n" % (len(env), env), timeout,
-            b"$%d\r\n%s\r\n" % (len(eta), eta), b"$%d\r\n%s\r\n" % (len(expires), expires)))
+            b"$%d\r\n%s\r\n" % (len(eta), eta), b"$%d\r\n%s\r\n" % (len(expires), expires),
+            b"$%d\r\n%s\r\n" % (len(pub), pub)))
 
     def _error(self, task: QueuedTask, exc: BaseException) -> BaseException:
         return lease_error(exc, f"enqueue (recording published task {task.task_id})", self.store.description)

@@ -93,7 +93,8 @@ class LeaseStore:
     def acquire(self, task_id: str, owner: str, *, ttl: float | None = None,
                 generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                 progress_timeout: float = 0, name: str = "", body: bytes = b"",
-                envelope: Mapping | None = None, reassert: int = 0, publish: str = "") -> Acquisition:
+                envelope: Mapping | None = None, reassert: int = 0, publish: str = "",
+                recorded: bool = False) -> Acquisition:
         """Try to become the owner of ``task_id``'s lease for one delivery of its message.
 
         ``reassert``: the token of a lease the caller holds but whose record has
@@ -101,12 +102,18 @@ class LeaseStore:
         re-created with that token, or LOST comes back if another record exists.
         ``publish``: the message's publish id (publish.py): a new one runs a
         finished (succeeded or failed) task again; a copy of an earlier one is STALE.
+        ``recorded``: the publisher recorded this message (enqueue): ``body`` and
+        ``envelope`` are sent only if the store does not hold this publish's
+        message after all (a second round trip, then).
         """
-        script, keys, args = self._acquire_call(
-            task_id, owner, ttl=ttl, generation=generation, attempt=attempt,
-            max_recoveries=max_recoveries, progress_timeout=progress_timeout, name=name,
-            body=body, envelope=envelope, reassert=reassert, publish=publish)
-        return acquisition_of(self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}"))
+        call: dict[str, Any] = dict(ttl=ttl, generation=generation, attempt=attempt, max_recoveries=max_recoveries,
+                    progress_timeout=progress_timeout, name=name, body=body, envelope=envelope,
+                    reassert=reassert, publish=publish, recorded=recorded)
+        script, keys, args = self._acquire_call(task_id, owner, **call)
+        acq = acquisition_of(self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}"))
+        if acq.code is Code.NO_MESSAGE:
+            return self.acquire(task_id, owner, **{**call, "recorded": False})
+        return acq
 
     def acquire_command(self, **call: Any) -> bytes:
         """``acquire(**call)`` packed for a caller that writes its own socket (the worker's acquirer)."""
@@ -123,13 +130,16 @@ class LeaseStore:
             script, keys, args = self._acquire_call(**call)
             raw = self.calls.reply(script, keys, args, raw, f"task {task_id}, key {keys[0]}")
         raise_if_corrupt(raw, f"task {task_id}")
-        return acquisition_of(raw)
+        acq = acquisition_of(raw)
+        if acq.code is Code.NO_MESSAGE:  # the message left out after all: now with it, waiting
+            return self.acquire(**{**call, "recorded": False})
+        return acq
 
     def _acquire_call(self, task_id: str, owner: str, *, ttl: float | None = None,
                       generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                       progress_timeout: float = 0, name: str = "", body: bytes = b"",
                       envelope: Mapping | None = None, reassert: int = 0,
-                      publish: str = "") -> tuple[Script, list, list]:
+                      publish: str = "", recorded: bool = False) -> tuple[Script, list, list]:
         """The script, KEYS and ARGV of an acquire: acquire.lua, or reassert.lua for ``reassert``."""
         if not isinstance(task_id, str):  # the wire would carry 1.5 as "1.5": a wrong id, not a task's
             raise TypeError(f"task id {task_id!r} is not a string")
@@ -137,12 +147,16 @@ class LeaseStore:
         keys = [key, shard.deadlines, shard.sequence, shard.stats, self.keys.message(task_id)]
         if not reassert:
             keys.append(shard.queued)  # a record queued at publish leaves this index (acquire.lua)
+        # A recorded message is left out (acquire.lua ARGV[14]); a re-assert always sends it.
+        omit = bool(recorded and publish and not reassert)
         args = [task_id, owner, ms(self.ttl if ttl is None else ttl), int(generation), int(attempt),
                 self.max_recoveries if max_recoveries is None else int(max_recoveries),
-                ms(progress_timeout), name, body, compact_json(envelope) if envelope is not None else ""]
+                ms(progress_timeout), name, b"" if omit else body,
+                "" if omit or envelope is None else compact_json(envelope)]
         if reassert:
             return scripts.reassert, keys, [*args, int(reassert)]
-        return scripts.acquire, keys, [*args, ms(self.retention), self._clock_tokens, publish or ""]
+        return scripts.acquire, keys, [*args, ms(self.retention), self._clock_tokens, publish or "",
+                                       1 if omit else 0]
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,

@@ -293,7 +293,7 @@ def _is_acquire_reply(reply: Any) -> bool:
 
 #: Codes acquire.lua answers with (its header's Output).
 _ACQUIRE_CODES = frozenset({Code.ACQUIRED, Code.TAKEN_OVER, Code.BUSY, Code.FINISHED, Code.STALE,
-                            Code.DEAD, Code.LOST})
+                            Code.DEAD, Code.LOST, Code.NO_MESSAGE})
 
 
 __all__ = ["Acquirer", "Job"]

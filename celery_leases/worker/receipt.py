@@ -33,7 +33,7 @@ from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..messages import envelope_of, publish_raw
 from ..parking import park_delivery
-from ..publish import PUBLISH_HEADER
+from ..publish import PUBLISH_HEADER, RECORDED_HEADER
 from ..recovery import Recoverer
 from ..signals import delivery_refused, lease_acquired
 from ..protocol.records import Acquisition
@@ -54,15 +54,18 @@ _REFUSALS = frozenset({Code.BUSY, Code.FINISHED, Code.STALE, Code.DEAD})
 def acquire_call(request: Any, config: LeaseConfig, owner: str) -> dict:
     """The ``LeaseStore.acquire`` arguments for one delivery of a leased task, held by ``owner``."""
     message, request_dict = request.message, request.request_dict
+    headers = message.headers or {}
     # Taken before the acquire is sent, so at most the server's deadline minus the ttl.
     request._lease_asked_at = time.monotonic()
     return dict(task_id=request.id, owner=owner, ttl=config.ttl,
-                generation=int((message.headers or {}).get("lease_generation") or 0),
+                generation=int(headers.get("lease_generation") or 0),
                 attempt=int(request_dict.get("retries") or 0),
                 max_recoveries=config.max_recoveries,
                 progress_timeout=config.progress_timeout or 0, name=request.task.name,
                 body=message.body, envelope=envelope_of(message),
-                publish=(message.headers or {}).get(PUBLISH_HEADER) or "")
+                publish=headers.get(PUBLISH_HEADER) or "",
+                # Recorded at publish: the store holds the message (sent only if it does not).
+                recorded=headers.get(RECORDED_HEADER) == "1")
 
 
 class Receipt:

@@ -214,3 +214,30 @@ def test_a_group_and_a_chord_header_are_recorded_in_one_batch(client_app, start_
     counts = run_counts(history)
     assert [counts[r.id] for r in grouped.results + chorded.parent.results] == [1] * 15
     worker.stop()
+
+
+def test_a_worker_acquires_a_recorded_task_without_sending_its_message(client_app, start_worker, history,
+                                                                        broker_server, key_prefix):
+    import json
+
+    from celery_leases.publish import RECORDED_HEADER
+    # Given a task recorded at publish, its message waiting in the broker (no worker yet)
+    result = client_app.signature(f"{TASKS}.sleep_then_echo", ("x", 2.0)).apply_async()
+    store = celery_leases.store(client_app)
+    assert store.get(result.id).state == "queued"
+    raw = broker_server.client().lrange(key_prefix, 0, -1)
+    assert [json.loads(m)["headers"][RECORDED_HEADER] for m in raw] == ["1"]
+    # and a mark on the recorded message that no delivered copy carries
+    message = store.keys.message(result.id)
+    envelope = json.loads(store.client.hget(message, "envelope"))
+    store.client.hset(message, "envelope", json.dumps({**envelope, "mark": "recorded"}))
+    # When a worker takes it
+    start_worker("a", pool="threads", concurrency=2)
+    deadline = time.monotonic() + 30
+    while not any(h[0] == "start" and h[1] == result.id for h in history()):
+        assert time.monotonic() < deadline, "the task never started"
+        time.sleep(0.05)
+    # Then its lease holds the recorded message, not one the worker sent
+    assert store.get(result.id).state == "active"
+    assert json.loads(store.client.hget(message, "envelope"))["mark"] == "recorded"
+    assert result.get(timeout=30) == "x"

@@ -38,9 +38,12 @@
   activate(key, deadlines, stats, message, lease, extra)
                              write the active lease ``lease`` (a table: task_id, owner, token,
                              now, ttl, generation, recoveries, attempt, progress_timeout, name,
-                             max_recoveries, started, unstarted_recoveries, hn, body, envelope;
-                             ``extra``: more field/value pairs), store the message when a body
-                             is given, index the deadline; acquire.lua and reassert.lua
+                             max_recoveries, started, unstarted_recoveries, hn, body, envelope,
+                             pub, persist, persist_message; ``extra``: more field/value pairs),
+                             store the message (with the publish id it belongs to) when a body
+                             is given, index the deadline; the record loses any expiry unless
+                             ``persist`` is false (a record that never had one), a kept stored
+                             message only with ``persist_message``; acquire.lua and reassert.lua
   drop_unwritten(index, results, ids, from)
                              forget the kept results (unwritten.py) of ids[from..]: Celery
                              wrote them; finish.lua (riding along) and results_written.lua
@@ -215,10 +218,12 @@ local function activate(key, deadlines, stats, message, l, extra)
   for _, v in ipairs(extra or {}) do fields[#fields + 1] = v end
   redis.call('HSET', key, unpack(fields))
   if l.body ~= '' then
-    redis.call('HSET', message, 'body', l.body, 'envelope', l.envelope)
+    redis.call('HSET', message, 'body', l.body, 'envelope', l.envelope, 'pub', l.pub or '')
+    redis.call('PERSIST', message)
+  elseif l.persist_message then
     redis.call('PERSIST', message)
   end
-  redis.call('PERSIST', key)
+  if l.persist ~= false then redis.call('PERSIST', key) end
   redis.call('ZADD', deadlines, l.now + l.ttl, l.task_id)
   count(stats, 'acquired', 1)
 end

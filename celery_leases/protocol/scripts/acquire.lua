@@ -21,7 +21,7 @@
     KEYS[2] deadlines sorted set
     KEYS[3] token sequence counter
     KEYS[4] stats hash
-    KEYS[5] message hash of the task (body, envelope)
+    KEYS[5] message hash of the task (body, envelope, pub: the publish id it belongs to)
     KEYS[6] optional: queued index sorted set; a record queued at publish (enqueue.lua)
             is acquired like a fresh one and leaves this index, as does a recovering one
             (waiting there with publish tracking: mark_published.lua, hand_over.lua)
@@ -38,6 +38,9 @@
     ARGV[11] retention in ms of a record that turns dead or revoked here
     ARGV[12] 1 to draw the token no lower than the server clock in µs (sharded stores), 0 not to
     ARGV[13] optional: publish id carried by the message ('' when none)
+    ARGV[14] optional: '1' when the caller left the message out (ARGV[9] and ARGV[10] '')
+            because its publisher recorded it (enqueue.lua): the stored message is kept if it
+            is this publish's (its pub is ARGV[13]); otherwise NO_MESSAGE, nothing written
 
   Output: {code, token, generation, recoveries, state}, or {CORRUPT, key, field, detail}
     ACQUIRED    the caller owns the lease with the new token
@@ -47,6 +50,8 @@
                 publish, or was revoked while an owner ran it and is now terminal revoked
     STALE       the message is an older copy than the record, or a copy of an earlier publish
     DEAD        taking over would pass max recoveries: the record is now dead
+    NO_MESSAGE  the message was left out (ARGV[14]) and the store does not hold this publish's
+                message: nothing written; the caller sends the acquire again with it
     CORRUPT     the record, the deadline index, the token sequence or the message hash is
                 not what this protocol wrote (checked before anything is written)
 ]]
@@ -70,6 +75,7 @@ local rec, bad = load(key, read,
                        'unstarted_recoveries', 'pn'}, {'token'})
 if bad then return bad end
 local pub = ARGV[13] or ''
+local omitted = ARGV[14] == '1'
 -- A copy of a publish that held this lease before the current one: never run it again.
 -- (The remembered ids are read only when the record has some: pn counts those written, in
 -- p:0.. up to PUBLISHES, so most acquires read 13 fields, not 29.)
@@ -107,6 +113,19 @@ local generation = num(rec, key, 'generation')
 local recoveries = num(rec, key, 'recoveries')
 local attempt = num(rec, key, 'attempt')
 local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
+
+-- A message left out by its caller: the one recorded at publish must be this publish's.
+-- (Asked before any decision writes; a delivery that would be refused is refused on its
+-- second call, with the message.)
+if omitted then
+  local stored = redis.pcall('HGET', message, 'pub')
+  if wrong_type(stored) then
+    return corrupt(message, 'type', 'is not a hash (' .. redis.call('TYPE', message).ok .. ')')
+  end
+  if pub == '' or stored ~= pub then
+    return {NO_MESSAGE, token, generation, recoveries, state or ''}
+  end
+end
 
 local code = ACQUIRED
 if state and earlier_publish() then
@@ -202,7 +221,10 @@ activate(key, deadlines, stats, message, {
   generation = generation, recoveries = recoveries, attempt = msg_attempt,
   progress_timeout = progress_timeout, name = ARGV[8], max_recoveries = max_recoveries,
   started = '0', unstarted_recoveries = unstarted_recoveries, hn = num(rec, key, 'hn'),
-  body = ARGV[9], envelope = ARGV[10]}, extra)
+  body = ARGV[9], envelope = ARGV[10], pub = pub,
+  -- Only a recovering or finished record has an expiry to drop (mark_published, end_lease).
+  persist = state ~= nil and state ~= false and state ~= 'queued',
+  persist_message = omitted and state ~= 'queued'}, extra)
 if code == TAKEN_OVER then count(stats, 'taken_over', 1) end
 if queued then redis.call('ZREM', KEYS[6], task_id) end
 return {code, new_token, generation, recoveries, 'active'}

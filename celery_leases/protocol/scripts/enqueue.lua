@@ -13,7 +13,7 @@
   Input:
     KEYS[1] record hash of the task
     KEYS[2] queued index sorted set (task id -> due + delivery timeout, ms)
-    KEYS[3] message hash of the task (body, envelope)
+    KEYS[3] message hash of the task (body, envelope, pub)
     KEYS[4] stats hash
     ARGV[1] task id
     ARGV[2] task name
@@ -22,6 +22,8 @@
     ARGV[5] delivery timeout in ms (> 0)
     ARGV[6] ETA in ms since the epoch, 0 when none: the task is due then, not at publish
     ARGV[7] expires in ms since the epoch, 0 when none
+    ARGV[8] optional: the message's publish id ('' when none), kept with the message so an
+            acquire of this publish may leave the message out (acquire.lua ARGV[14])
 
   Output: {code, state}, or {CORRUPT, key, field, detail}
     OK        recorded: state queued, generation 0, indexed at due + delivery timeout
@@ -50,7 +52,7 @@ local due = math.max(now, eta)
 redis.call('HSET', key, 'task_id', task_id, 'state', 'queued', 'token', 0, 'owner', '',
            'generation', 0, 'recoveries', 0, 'attempt', 0, 'name', name,
            'published_at', now, 'due', due, 'expires', expires)
-redis.call('HSET', message, 'body', ARGV[3], 'envelope', ARGV[4])
+redis.call('HSET', message, 'body', ARGV[3], 'envelope', ARGV[4], 'pub', ARGV[8] or '')
 redis.call('ZADD', index, due + timeout, task_id)
 count(stats, 'queued', 1)
 return {OK, 'queued'}

@@ -80,8 +80,11 @@ end
 
 local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
 if bad then return bad end
-bad = check_type(deadlines, 'zset') or check_type(seq, 'string')
-    or check_type(unwritten, 'zset') or check_type(unwritten_results, 'hash')
+-- (The sequence is written only by a re-assert, of a record that vanished; the unwritten
+-- results only with a kept result or confirmations riding along.)
+local riding = kept ~= '' or #ARGV >= 11
+bad = check_type(deadlines, 'zset') or (not rec.state and check_type(seq, 'string'))
+    or (riding and (check_type(unwritten, 'zset') or check_type(unwritten_results, 'hash')))
 if bad then return bad end
 drop_unwritten(unwritten, unwritten_results, ARGV, 11)
 local now = now_ms()
