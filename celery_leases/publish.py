@@ -16,7 +16,8 @@ refused as a duplicate when the record is finished, as before.
 from __future__ import annotations
 
 import os
-from typing import Any
+import zlib
+from typing import Any, Mapping
 
 from celery.signals import before_task_publish
 
@@ -25,9 +26,19 @@ PUBLISH_HEADER = "lease_publish"
 #: Longest publish id a delivery may carry (the store keeps them in small hash fields).
 MAX_PUBLISH_ID = 64
 #: Message header set by a publisher that records the message in the lease store first
-#: (publish tracking, tracking.py): the worker's acquire then leaves the message out,
-#: since the store holds it already (LeaseStore.acquire(recorded=True)).
+#: (publish tracking, tracking.py): the names of the headers it recorded, as
+#: ``recorded_headers`` gives them. A worker that receives exactly those headers leaves
+#: the message out of its acquire, since the store holds it already
+#: (LeaseStore.acquire(recorded=True)); one that receives more (a ``before_task_publish``
+#: receiver that ran after the record added some, such as a trace context) sends it.
 RECORDED_HEADER = "lease_recorded"
+
+
+def recorded_headers(headers: Mapping[str, Any]) -> str:
+    """A short digest of the header names (not their values, which a broker's encoding may
+    change: a tuple arrives as a list), ``RECORDED_HEADER`` itself left out."""
+    names = sorted(name for name in headers if name != RECORDED_HEADER)
+    return "%08x" % zlib.crc32("\x00".join(names).encode("utf-8", "surrogatepass"))
 
 
 def new_publish_id() -> str:

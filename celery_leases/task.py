@@ -38,7 +38,7 @@ logger = logging.getLogger("celery_leases.task")
 # (Celery 5.7's push_request copies the request's __dict__ into a new Context,
 # whose custom headers are every key Context does not declare).
 for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable",
-              "_lease_handle", "lease_expires_at", "lease_publish"):
+              "_lease_handle", "lease_expires_at", "lease_publish", "lease_recorded"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
 

@@ -40,7 +40,7 @@ from kombu.entity import maybe_delivery_mode
 from kombu.serialization import dumps
 
 # (Importing publish first connects its publish id stamp before the record below.)
-from .publish import PUBLISH_HEADER, RECORDED_HEADER
+from .publish import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
 from .config import client_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .messages import publish_raw, request_of
@@ -254,13 +254,15 @@ def record_publish(sender: Any = None, body: Any = None, exchange: Any = None, r
         tracked = queued_tasks(app)
         if tracked is None:
             return
-        if not headers.get("retries"):
-            # The worker's acquire may leave the message out (the store holds it); a retry's
-            # record exists already and keeps the first message, so a retry's is always sent.
-            # Set before message_of: the stored copy carries it too.
-            headers[RECORDED_HEADER] = "1"
+        headers.pop(RECORDED_HEADER, None)
         message = message_of(app, sender, body, exchange, routing_key, headers, properties or {},
                              serializer, compression, _delivery_mode(app, delivery_mode, kwargs.get("declare")))
+        if not headers.get("retries"):
+            # The worker's acquire may leave the message out (the store holds it) if it
+            # receives the headers recorded here; a retry's record exists already and keeps
+            # the first message, so a retry's message is always sent.
+            stored = message.envelope["headers"]
+            stored[RECORDED_HEADER] = headers[RECORDED_HEADER] = recorded_headers(stored)
         if outage.skipping():  # the store just failed to answer: hold it without waiting again
             outage.hold(message, tracked)
             pending.append(_Held(message))

@@ -24,19 +24,40 @@ class Incomplete(Exception):
     """The buffer ends before the reply does: read more."""
 
 
+#: str argument -> its packed bulk string. Most of a call's strings come back in every
+#: call (the script's SHA, shard keys, the owner, a task name); a task's own (its id and
+#: keys) fill the cache until it is cleared, which costs one encoding of the others again.
+_packed: dict[str, bytes] = {}
+_PACKED_MAX = 2048
+
+
 def pack(*args: Any) -> bytes:
     """One command; the arguments are str, bytes, int or float (as redis-py sends them)."""
     out = [b"*%d\r\n" % len(args)]
+    append, packed = out.append, _packed
     for arg in args:
-        if isinstance(arg, str):
-            arg = arg.encode()
+        kind = type(arg)
+        if kind is str:
+            segment = packed.get(arg)
+            if segment is None:
+                data = arg.encode()
+                segment = b"$%d\r\n%s\r\n" % (len(data), data)
+                if len(packed) >= _PACKED_MAX:
+                    packed.clear()
+                packed[arg] = segment
+            append(segment)
+            continue
+        if kind is bytes:
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
         elif isinstance(arg, int):
-            arg = b"%d" % arg
+            data = b"%d" % arg
         elif isinstance(arg, float):
-            arg = repr(arg).encode()
-        elif not isinstance(arg, bytes):
-            arg = bytes(arg)
-        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+            data = repr(arg).encode()
+        else:
+            data = bytes(arg)
+        append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
 
 

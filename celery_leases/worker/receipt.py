@@ -33,7 +33,7 @@ from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..messages import envelope_of, publish_raw
 from ..parking import park_delivery
-from ..publish import PUBLISH_HEADER, RECORDED_HEADER
+from ..publish import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
 from ..recovery import Recoverer
 from ..signals import delivery_refused, lease_acquired
 from ..protocol.records import Acquisition
@@ -64,8 +64,8 @@ def acquire_call(request: Any, config: LeaseConfig, owner: str) -> dict:
                 progress_timeout=config.progress_timeout or 0, name=request.task.name,
                 body=message.body, envelope=envelope_of(message),
                 publish=headers.get(PUBLISH_HEADER) or "",
-                # Recorded at publish: the store holds the message (sent only if it does not).
-                recorded=headers.get(RECORDED_HEADER) == "1")
+                # Recorded at publish as received: the store holds the message (sent if not).
+                recorded=RECORDED_HEADER in headers and headers[RECORDED_HEADER] == recorded_headers(headers))
 
 
 class Receipt:

@@ -86,6 +86,12 @@ def test_pack_is_the_resp_encoding_redis_py_sends():
     args = ("EVALSHA", "abc", 2, "k1", b"\x00bin\r\n", 0, -5, "é")
     conn = redis.Connection()
     assert pack(*args) == b"".join(conn.pack_command(*args))
+    # Again from its cache of packed strings, and past the cache's size (cleared and refilled)
+    assert pack(*args) == b"".join(conn.pack_command(*args))
+    for i in range(5000):
+        ids = (f"id-{i}", f"{{p}}:lease:id-{i}", "owner", i, bytearray(b"x"))
+        assert pack(*ids) == b"".join(conn.pack_command(*ids))
+    assert pack(*args) == b"".join(conn.pack_command(*args))
 
 
 def test_replies_come_back_in_order_and_later_acquires_go_out_together(store):

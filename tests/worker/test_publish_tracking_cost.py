@@ -445,3 +445,34 @@ def test_the_tracking_benchmark_runs_end_to_end(tmp_path):
     assert "publisher CPU per task" in out.stdout and "10 KiB (one str)" in out.stdout
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["footprint"]["10 KiB (one str)"]["message"] > 10240 > data["footprint"]["small (one int)"]["message"]
+
+
+def test_only_a_first_attempt_is_marked_recorded(make_app, broker, key_prefix):
+    from celery.app.task import Context
+
+    from celery.signals import before_task_publish
+
+    from celery_leases.publish import RECORDED_HEADER, recorded_headers
+    # Given a tracking publisher, with compression (a header kombu adds after the record)
+    app = make_app(task_compression="zlib")
+    first = publish(app)
+    # A retry's record exists already and keeps the first message: a retry is never marked,
+    # even when the header came along (a user's headers, an older worker's request headers)
+    retry = publish(app, retries=1, headers={RECORDED_HEADER: recorded_headers({})})
+
+    # A receiver connected after the package's adds a header the record cannot hold
+    def add_trace(headers=None, **kwargs):
+        headers["traceparent"] = "00-abc-def-01"
+    before_task_publish.connect(add_trace)
+    try:
+        traced = publish(app)
+    finally:
+        before_task_publish.disconnect(add_trace)
+    headers = {task_id: m["headers"] for task_id, m in broker_messages(broker, key_prefix).items()}
+    # Then a worker receiving the first leaves its message out, and sends the others'
+    assert headers[first][RECORDED_HEADER] == recorded_headers(headers[first])
+    assert "compression" in headers[first]
+    assert RECORDED_HEADER not in headers[retry]
+    assert headers[traced][RECORDED_HEADER] != recorded_headers(headers[traced])
+    # And a worker's request never hands the header on to retry() (Context declares it)
+    assert Context({"id": first, RECORDED_HEADER: "1"}).headers is None
