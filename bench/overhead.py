@@ -2,14 +2,20 @@
 
 Usage, from the repository root::
 
-    .venv/bin/python bench/overhead.py [--quick] [--rounds R] [-n N] [--pools P,..] [--json PATH] [--strict]
+    .venv/bin/python bench/overhead.py [--quick] [--rounds R] [-n N] [--pools P,..] [--layout L]
+                                       [--json PATH] [--strict]
 
 Starts two throwaway ``redis-server`` processes on free loopback ports (no
 persistence): one for the broker and the result backend (or ``$REDIS_URL``
 if set: then only keys under a fresh prefix, the benchmark's own result keys
 and its queues are touched), and one for the lease store alone, as a user
-who keeps leases apart would run it. Prints one Markdown table and writes the
-raw results as JSON (default ``bench/results-overhead.json``, which git ignores).
+who keeps leases apart would run it (``--layout apart``, the default). With
+``--layout shared`` the lease store is on the broker's server too, the
+simplest deployment: a leased success's result is then written by its finish
+script (docs/celery.md) instead of Celery's own write, and the lease-store
+round trips are the script calls alone (the broker's commands go to the same
+server). Prints one Markdown table and writes the raw results as JSON
+(default ``bench/results-overhead.json``, which git ignores).
 
 Three kinds of the same no-op task (``bench/overhead_app.py``), each round in
 a new order, on one worker per pool (``-P prefork -c 2``, ``-P threads -c 8``,
@@ -128,11 +134,12 @@ def round_trips(delta: dict) -> float:
     script calls, and every command no lease script runs (the benchmark's own INFO left out
     by ``stats_delta``). A command a client sends that a script also runs (TIME, a clock
     reading) is not counted: none is sent per task."""
-    if SHARED:
+    if SHARED:  # the broker's commands reach the same server: count the script calls alone
         return sum(v["calls"] for cmd, v in delta.items() if cmd in ("evalsha", "eval"))
     return sum(v["calls"] for cmd, v in delta.items() if cmd not in INSIDE_SCRIPTS)
 
 
+#: --layout shared: the lease store on the broker's server (set by main).
 SHARED = False
 
 
@@ -520,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             cleanup.push(lease_client.close)
         global SHARED
         SHARED = args.layout == "shared"
+        results_layout = args.layout
         prefix = f"bench{uuid.uuid4().hex[:8]}"
         for pattern in (f"{{{prefix}}}*", f"{{{prefix}-hb}}*"):
             cleanup.push(lambda p=pattern: delete_pattern(client, p))
@@ -534,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 "date": started.isoformat(timespec="seconds"),
                 "quick": args.quick, "n": sizes["n"], "rounds": sizes["rounds"],
                 "pools": {p: POOLS[p] for p in pools}, "heartbeat_pool": f"{HB_POOL} -c {HB_CONCURRENCY}",
-                "loglevel": args.loglevel,
+                "loglevel": args.loglevel, "layout": results_layout,
                 "redis_version": info["redis_version"], "throwaway_server": server is not None,
                 "load_average_before": os.getloadavg()[0], **git_state(),
                 "python": platform.python_version(), "celery": celery.__version__,
@@ -543,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
             "pools": {},
         }
         print(f"task overhead benchmark: redis {info['redis_version']}"
-              f"{' (throwaway)' if server else ''} + a throwaway lease store, celery {celery.__version__}, "
+              f"{' (throwaway)' if server else ''}"
+              f"{' + a throwaway lease store' if lease_server else ', the lease store on it too'}, "
+              f"celery {celery.__version__}, "
               f"{'quick' if args.quick else 'full'} run", flush=True)
         if os.getloadavg()[0] > 0.5:
             print(f"note: load average {os.getloadavg()[0]:.2f} before the run: other processes "

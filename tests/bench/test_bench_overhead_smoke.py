@@ -41,3 +41,18 @@ def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
     assert drain["plain"]["lease_calls"] == 0.0
     assert [row["leases"] for row in data["heartbeat"]] == [1, 10, 100]
     assert data["targets"]["1 renew call per heartbeat tick (1, 10, 100 leases)"]["result"] == "PASS"
+
+
+def test_the_shared_layout_counts_the_script_calls_on_the_one_server(redis_server_url: str,
+                                                                   tmp_path: Path) -> None:
+    # When the lease store is on the broker's server (--layout shared)
+    _, data = run_quick_bench("overhead.py", redis_server_url, tmp_path, timeout=90,
+                              args=("--layout", "shared", "--no-heartbeat"))
+    assert data["meta"]["layout"] == "shared"
+    # Then the lease-store round trips are the script calls alone, as on a server of its own
+    drain = data["pools"]["prefork"]["backlog drain"]
+    assert drain["leased"]["publish_lease_calls"] == 1.0
+    assert drain["plain"]["lease_calls"] == 0.0
+    n = data["meta"]["n"]
+    for run in drain["rounds"]["leased"]:
+        assert 1.0 <= run["worker_lease_calls"] <= 2 + (run["window_s"] / START_MARK_DELAY + 1) / n, run

@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick_bench(script: str, redis_url: str, tmp_path: Path, timeout: float) -> tuple[str, dict]:
+def run_quick_bench(script: str, redis_url: str, tmp_path: Path, timeout: float,
+                    args: tuple[str, ...] = ()) -> tuple[str, dict]:
     """Run ``bench/SCRIPT --quick`` on ``redis_url``, JSON results in ``tmp_path``.
 
     Asserts that it succeeded and printed its Markdown table; returns its
@@ -20,7 +21,7 @@ def run_quick_bench(script: str, redis_url: str, tmp_path: Path, timeout: float)
     results = tmp_path / f"results-{Path(script).stem}.json"
     env = {**os.environ, "REDIS_URL": redis_url}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(results)],
+        [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(results), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
