@@ -1,10 +1,12 @@
 """The message envelope: what a lease record keeps of a broker message, and how it goes back.
 
 A worker stores each leased delivery's body and envelope (routing, headers,
-properties) with its lease at receipt; recovery, re-queueing, parking, the
-dead-letter copy and ``celery leases replay`` publish those bytes again under
-the same task id. The envelope is built here and read back here, nowhere else,
-so every re-publish carries the same routing and properties as the original.
+properties) with its lease at receipt, unless its publisher recorded that very
+message (tracking.message_of builds the same envelope from the publish);
+recovery, re-queueing, parking, the dead-letter copy and ``celery leases
+replay`` publish those bytes again under the same task id. The envelope of a
+delivery is built here and every re-publish goes through ``publish_raw``, so
+each carries the same routing and properties as the original.
 """
 from __future__ import annotations
 
