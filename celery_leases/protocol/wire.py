@@ -24,11 +24,13 @@ class Incomplete(Exception):
     """The buffer ends before the reply does: read more."""
 
 
-#: str argument -> its packed bulk string. Most of a call's strings come back in every
-#: call (the script's SHA, shard keys, the owner, a task name); a task's own (its id and
-#: keys) fill the cache until it is cleared, which costs one encoding of the others again.
+#: Short str argument -> its packed bulk string. Most of a call's strings come back in
+#: every call (the script's SHA, shard keys, the owner, a task name); a task's own (its id
+#: and keys) fill the cache until it is cleared, which costs one encoding of the others
+#: again. Longer strings (an envelope, a result) are packed each time: at most
+#: _PACKED_MAX entries of at most _PACKED_LEN characters are ever held.
 _packed: dict[str, bytes] = {}
-_PACKED_MAX = 2048
+_PACKED_MAX, _PACKED_LEN = 2048, 128
 
 
 def pack(*args: Any) -> bytes:
@@ -37,7 +39,7 @@ def pack(*args: Any) -> bytes:
     append, packed = out.append, _packed
     for arg in args:
         kind = type(arg)
-        if kind is str:
+        if kind is str and len(arg) <= _PACKED_LEN:
             segment = packed.get(arg)
             if segment is None:
                 data = arg.encode()

@@ -89,9 +89,13 @@ def test_pack_is_the_resp_encoding_redis_py_sends():
     # Again from its cache of packed strings, and past the cache's size (cleared and refilled)
     assert pack(*args) == b"".join(conn.pack_command(*args))
     for i in range(5000):
-        ids = (f"id-{i}", f"{{p}}:lease:id-{i}", "owner", i, bytearray(b"x"))
+        ids = (f"id-{i}", f"{{p}}:lease:id-{i}", "owner", i, bytearray(b"x"), "r" * (100 + i))
         assert pack(*ids) == b"".join(conn.pack_command(*ids))
     assert pack(*args) == b"".join(conn.pack_command(*args))
+    # The cache holds a bounded number of short strings only (a result may be megabytes)
+    from celery_leases.protocol import wire
+    assert len(wire._packed) <= wire._PACKED_MAX
+    assert max(map(len, wire._packed)) <= wire._PACKED_LEN
 
 
 def test_replies_come_back_in_order_and_later_acquires_go_out_together(store):
