@@ -37,7 +37,7 @@ RECORDED_HEADER = "lease_recorded"
 def recorded_headers(headers: Mapping[str, Any]) -> str:
     """A short digest of the header names (not their values, which a broker's encoding may
     change: a tuple arrives as a list), ``RECORDED_HEADER`` itself left out."""
-    names = sorted(name for name in headers if name != RECORDED_HEADER)
+    names = sorted(str(name) for name in headers if name != RECORDED_HEADER)  # (a key may not be a str)
     return "%08x" % zlib.crc32("\x00".join(names).encode("utf-8", "surrogatepass"))
 
 

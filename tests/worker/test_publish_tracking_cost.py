@@ -476,3 +476,14 @@ def test_only_a_first_attempt_is_marked_recorded(make_app, broker, key_prefix):
     assert headers[traced][RECORDED_HEADER] != recorded_headers(headers[traced])
     # And a worker's request never hands the header on to retry() (Context declares it)
     assert Context({"id": first, RECORDED_HEADER: "1"}).headers is None
+
+
+def test_the_recorded_digest_depends_on_header_names_only():
+    from celery_leases.publish import RECORDED_HEADER, recorded_headers
+    # Values may change on the wire (a tuple arrives as a list): only the names count,
+    digest = recorded_headers({"id": "t", "timelimit": (None, None)})
+    assert digest == recorded_headers({"id": "t", "timelimit": [None, None], RECORDED_HEADER: "x"})
+    # a name more or less is seen, and a name that is not a string does not break it
+    assert digest != recorded_headers({"id": "t", "timelimit": None, "traceparent": "00-a-b-01"})
+    assert digest != recorded_headers({"id": "t"})
+    assert recorded_headers({"id": "t", 1: "x"}) != digest
