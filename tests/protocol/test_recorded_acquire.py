@@ -134,3 +134,15 @@ def test_a_reassert_always_sends_the_message(store):
     _, _, args = store._acquire_call("t1", "w", body=DELIVERED_BODY, envelope=ENVELOPE,
                                      publish="p1", recorded=True, reassert=7)
     assert args[8] == DELIVERED_BODY
+
+
+def test_a_message_key_of_the_wrong_type_is_corrupt_not_missing(store, queued, redis_client):
+    from celery_leases.exceptions import CorruptRecord
+    queued.enqueue(QueuedTask("t1", "proj.add", RECORDED_BODY, ENVELOPE, publish="p1"))
+    message = store.keys.message("t1")
+    redis_client.delete(message)
+    redis_client.set(message, "not a hash")
+    with pytest.raises(CorruptRecord) as corrupt:
+        acquire(store)
+    assert corrupt.value.key == message and corrupt.value.field == "type"
+    assert store.get("t1").state == "queued"  # nothing written
