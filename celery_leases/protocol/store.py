@@ -110,10 +110,8 @@ class LeaseStore:
                     progress_timeout=progress_timeout, name=name, body=body, envelope=envelope,
                     reassert=reassert, publish=publish, recorded=recorded)
         script, keys, args = self._acquire_call(task_id, owner, **call)
-        acq = acquisition_of(self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}"))
-        if acq.code is Code.NO_MESSAGE:
-            return self.acquire(task_id, owner, **{**call, "recorded": False})
-        return acq
+        raw = self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}")
+        return self.acquire_reply(raw, task_id=task_id, owner=owner, **call)
 
     def acquire_command(self, **call: Any) -> bytes:
         """``acquire(**call)`` packed for a caller that writes its own socket (the worker's acquirer)."""
