@@ -25,7 +25,7 @@ from .connection import describe
 from .direct import BUSY, DirectCaller
 from .direct import supported as direct_supported
 from .errors import lease_error
-from .wire import pack
+
 
 if TYPE_CHECKING:
     from .scripts import Script
@@ -110,13 +110,9 @@ class ScriptCalls:
                 raise
             raise error from exc
 
-    def command(self, script: "Script", keys: Sequence[Any], args: Sequence[Any]) -> bytes:
-        """The EVALSHA of ``script`` packed for a caller that writes its own socket."""
-        return pack("EVALSHA", script.sha, len(keys), *keys, *args)
-
     def reply(self, script: "Script", keys: Sequence[Any], args: Sequence[Any], raw: Any,
               what: str) -> Any:
-        """The reply to ``command(script, keys, args)`` as ``run`` would give it.
+        """The reply ``raw`` to an EVALSHA of ``script`` sent elsewhere, as ``run`` would give it.
 
         NOSCRIPT is answered by running the call again here (which loads the
         script); an error reply raises as ``run`` raises it.

@@ -1,6 +1,8 @@
 """Lua script loader: each ``scripts/<name>.lua`` is loaded once and called by SHA.
 
-The shared ``_prelude.lua`` is prepended to every script. A server that lost
+The shared ``_prelude.lua`` is prepended to every script; a script that runs
+another one's body (``EMBEDDED``) gets it after the prelude, as a local
+function of (KEYS, ARGV) named after it, so a rule has one copy. A server that lost
 its script cache (restart, SCRIPT FLUSH, failover) answers NOSCRIPT; the call is
 then repeated once with the full source, which also reloads the cache
 (calls.py, the one place that does it).
@@ -17,7 +19,7 @@ from .calls import call_script
 from .codes import TERMINAL_STATES, Code
 
 SCRIPT_NAMES = (
-    "acquire", "reassert", "renew_many", "finish", "hand_over", "claim_expired", "mark_published",
+    "acquire", "acquire_many", "reassert", "renew_many", "finish", "hand_over", "claim_expired", "mark_published",
     "release", "progress", "expired", "fenced_write", "complete_step", "purge",
     "park", "unpark",
     "revoke",
@@ -25,6 +27,9 @@ SCRIPT_NAMES = (
     "enqueue", "claim_undelivered", "forget",
     "claim_unwritten", "results_written",
 )
+
+#: Script -> the script whose body it calls as a function: ``local function acquire(KEYS, ARGV)``.
+EMBEDDED = {"acquire_many": "acquire"}
 
 
 def _read(name: str) -> str:
@@ -40,8 +45,12 @@ def constants() -> str:
 
 
 def source(name: str) -> str:
-    """The full source sent to Redis: the generated constants, the prelude, the script file."""
-    return constants() + "\n" + _read("_prelude") + "\n" + _read(name)
+    """The full source sent to Redis: the generated constants, the prelude, the script file
+    (after the script it embeds, if any)."""
+    embedded = EMBEDDED.get(name)
+    body = _read(name) if embedded is None else \
+        f"local function {embedded}(KEYS, ARGV)\n{_read(embedded)}\nend\n{_read(name)}"
+    return constants() + "\n" + _read("_prelude") + "\n" + body
 
 
 class Script:

@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import redis
 
 from .. import defaults
-from ..exceptions import CorruptRecord, LeaseLost
+from ..exceptions import CorruptRecord, LeaseError, LeaseLost
 from . import admin, recovery, renewals
 from .calls import ScriptCalls, compact_json, ms, raise_unless_ok
+from .wire import segments
 from .codes import OUTCOMES, Code
 from .connection import connect, describe
 from .keys import Keys
@@ -32,6 +33,9 @@ logger = logging.getLogger("celery_leases.store")
 #: has a week to look, and a flood of bad deliveries cannot fill the server.
 PARKED_RETENTION = 7 * 86400.0
 PARKED_CAP = 10_000
+
+#: Keys and arguments of one acquire (acquire.lua's header): acquire_many takes them in blocks.
+ACQUIRE_KEYS, ACQUIRE_ARGS = 6, 14
 
 
 class LeaseStore:
@@ -113,12 +117,8 @@ class LeaseStore:
         raw = self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}")
         return self.acquire_reply(raw, task_id=task_id, owner=owner, **call)
 
-    def acquire_command(self, **call: Any) -> bytes:
-        """``acquire(**call)`` packed for a caller that writes its own socket (the worker's acquirer)."""
-        return self.calls.command(*self._acquire_call(**call))
-
     def acquire_reply(self, raw: Any, **call: Any) -> Acquisition:
-        """The Acquisition in ``raw``, the reply read for ``acquire_command(**call)``.
+        """The Acquisition in ``raw``, the reply read for ``acquire(**call)``'s script call.
 
         An error reply raises as ``acquire`` would (NOSCRIPT: the call is made
         again here, which loads the script); CORRUPT raises CorruptRecord.
@@ -132,6 +132,94 @@ class LeaseStore:
         if acq.code is Code.NO_MESSAGE:  # the message left out after all: now with it, waiting
             return self.acquire(**{**call, "recorded": False})
         return acq
+
+    def acquire_many(self, calls: Sequence[Mapping[str, Any]], *, owner: str = "",
+                     starts: Mapping[str, int] | None = None) -> tuple[list, int]:
+        """Several acquires in one call (acquire_many.lua), with start marks riding along.
+
+        ``calls``: each acquire's keyword arguments (``task_id`` and ``owner``
+        included); ``starts``: leases of ``owner`` whose bodies started
+        (``mark_started``). Returns each acquire's Acquisition, or the
+        LeaseError it alone met, in order, and the number of leases marked.
+        An error of the whole call raises. On a cluster, whose keys cannot
+        share a call, the acquires are made one by one.
+        """
+        if self.calls.cluster:
+            results: list = []
+            for call in calls:
+                try:
+                    results.append(self.acquire(**call))
+                except LeaseError as exc:
+                    results.append(exc)
+            return results, self.mark_started(owner, starts) if starts else 0
+        keys, args = self._acquire_many_call(calls, owner, starts)
+        raw = self.calls.run(scripts.acquire_many, keys, args, f"{len(calls)} acquire(s)")
+        return self.acquire_many_reply(raw, calls, owner=owner, starts=starts)
+
+    def acquire_parts(self, **call: Any) -> tuple[bytes, bytes]:
+        """``acquire(**call)``'s keys and arguments, packed, for ``acquire_many_command``
+        (a caller that writes its own socket packs each acquire as it comes)."""
+        script, keys, args = self._acquire_call(**call)
+        if script is not scripts.acquire:
+            raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an acquire_many call")
+        return segments(keys), segments(args)
+
+    def acquire_many_command(self, parts: Sequence[tuple[bytes, bytes]], owner: str = "",
+                             starts: Mapping[str, int] | None = None) -> bytes:
+        """The EVALSHA of acquire_many for acquires packed by ``acquire_parts``, and marks."""
+        mark_keys, mark_args = self._marks(owner, starts)
+        n_keys = ACQUIRE_KEYS * len(parts) + len(mark_keys)
+        n_args = 3 + len(mark_args) + ACQUIRE_ARGS * len(parts)
+        return b"".join([b"*%d\r\n" % (3 + n_keys + n_args),
+                         segments(("EVALSHA", scripts.acquire_many.sha, n_keys)),
+                         *(keys for keys, _ in parts), segments(mark_keys),
+                         segments((len(parts), len(mark_args), owner if mark_args else "", *mark_args)),
+                         *(args for _, args in parts)])
+
+    def acquire_many_reply(self, raw: Any, calls: Sequence[Mapping[str, Any]], *, owner: str = "",
+                           starts: Mapping[str, int] | None = None) -> tuple[list, int]:
+        """``acquire_many``'s answer from ``raw``, the reply read for its command.
+
+        NOSCRIPT runs the call again here (which loads the script); any other
+        error of the whole call raises. An acquire's own error reply becomes
+        its LeaseError, as ``acquire`` would raise it.
+        """
+        if isinstance(raw, Exception):
+            keys, args = self._acquire_many_call(calls, owner, starts)
+            raw = self.calls.reply(scripts.acquire_many, keys, args, raw, f"{len(calls)} acquire(s)")
+        if not isinstance(raw, list) or len(raw) != len(calls) + 1 or type(raw[-1]) is not int:
+            raise LeaseError(f"acquire_many on {self.description}: {len(calls)} acquire(s) answered "
+                             f"{raw!r}")
+        results: list = []
+        for item, call in zip(raw, calls):
+            try:
+                results.append(self.acquire_reply(item, **call))
+            except LeaseError as exc:
+                results.append(exc)
+        return results, raw[-1]
+
+    def _acquire_many_call(self, calls: Sequence[Mapping[str, Any]], owner: str,
+                           starts: Mapping[str, int] | None) -> tuple[list, list]:
+        keys: list = []
+        args: list = []
+        for call in calls:
+            script, one_keys, one_args = self._acquire_call(**call)
+            if script is not scripts.acquire:
+                raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an "
+                                 f"acquire_many call")
+            keys += one_keys
+            args += one_args
+        mark_keys, mark_args = self._marks(owner, starts)
+        return keys + mark_keys, [len(calls), len(mark_args), owner if mark_args else "", *mark_args,
+                                  *args]
+
+    def _marks(self, owner: str, starts: Mapping[str, int] | None) -> tuple[list, list]:
+        """acquire_many's keys and tokens of the start marks (counted in the first one's shard)."""
+        if not starts:
+            return [], []
+        first = next(iter(starts))
+        return ([self.keys.shard_for(first).stats, *(self.keys.record(t) for t in starts)],
+                [int(token) for token in starts.values()])
 
     def _acquire_call(self, task_id: str, owner: str, *, ttl: float | None = None,
                       generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,

@@ -35,7 +35,13 @@ _PACKED_MAX, _PACKED_LEN = 2048, 128
 
 def pack(*args: Any) -> bytes:
     """One command; the arguments are str, bytes, int or float (as redis-py sends them)."""
-    out = [b"*%d\r\n" % len(args)]
+    return b"*%d\r\n" % len(args) + segments(args)
+
+
+def segments(args: Any) -> bytes:
+    """The arguments of a command packed without its array header: pieces of a command
+    joined later (acquire_many's keys and arguments, job by job)."""
+    out: list[bytes] = []
     append, packed = out.append, _packed
     for arg in args:
         kind = type(arg)

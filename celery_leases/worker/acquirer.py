@@ -3,12 +3,13 @@
 Every message a worker receives passes through its main thread, one at a
 time; a blocking acquire there adds a Redis round trip to each. With an event
 loop, the acquire is sent on a connection of its own and the loop goes on; the
-reply is read when the loop sees the socket readable, several at once when
-several acquires went out together: acquires wait for company while that
-delays nothing (an earlier reply is still to come, or the pool (prefork, threads) has
-a task ready to start per process), for a few milliseconds at most. The task
-is not handed to its pool until its reply is in (``LeasedRequest`` defers
-it), so no body runs without a lease.
+reply is read when the loop sees the socket readable. Acquires wait for
+company while that delays nothing (an earlier call is still to come back, or
+the pool (prefork, threads) has a task ready to start per process), for a few
+milliseconds at most, and then go out together in one script call
+(acquire_many.lua), with the start marks that have waited their delay riding
+along (heartbeat.py). The task is not handed to its pool until its reply is
+in (``LeasedRequest`` defers it), so no body runs without a lease.
 
 redis-py opens the connection (TLS, AUTH, SELECT, Sentinel's current
 master); the commands and replies then go over its socket directly
@@ -52,16 +53,29 @@ class Job:
     request: Any = None
     #: Anything the callback needs (the worker keeps its config and epoch here).
     context: dict = field(default_factory=dict)
-    #: The packed EVALSHA; a job is in flight only once this is set.
-    command: bytes = b""
+    #: Its keys and arguments, packed (LeaseStore.acquire_parts); a job is in flight
+    #: only once these are set.
+    parts: tuple[bytes, bytes] | None = None
+
+
+@dataclass
+class Batch:
+    """The jobs of one acquire_many call, and the start marks that rode along."""
+
+    jobs: list[Job]
+    starts: dict[str, int]
 
 
 class Acquirer:
     """Pipelined acquires on one dedicated connection, read back by the event loop."""
 
     def __init__(self, store: Any, hub: Any, busy: Callable[[], bool] | None = None,
-                 max_hold: float = 0.005) -> None:
+                 max_hold: float = 0.005, marks: Any = None) -> None:
         self.store, self.hub = store, hub
+        #: The heartbeat, whose due start marks ride along (take_due_starts, give_back_starts).
+        self.marks = marks
+        if marks is not None:
+            marks.carry_marks()
         #: True while the pool has enough tasks ready to start: new acquires may
         #: then wait (up to max_hold seconds) and go out together.
         self.busy, self.max_hold = busy, max_hold
@@ -72,12 +86,12 @@ class Acquirer:
         self._fd: int | None = None
         #: Bytes read and not yet parsed (a reply cut across reads).
         self._buffer = bytearray()
-        #: Jobs whose commands were sent, in that order: the next reply is the first one's.
-        #: A job enters only with its packed command, so replies and jobs cannot drift apart.
-        self._sent: deque[Job] = deque()
+        #: Calls sent, in that order: the next reply is the first one's. A job enters only
+        #: with its packed parts, so replies and jobs cannot drift apart.
+        self._sent: deque[Batch] = deque()
         #: Jobs packed and held until the replies still to come are in.
         self._held: list[Job] = []
-        #: Commands sent, and the writes that sent them (several commands per write when busy).
+        #: Acquires sent, and the calls (one write each) that sent them.
         self.sent = self.writes = 0
 
     @classmethod
@@ -87,11 +101,12 @@ class Acquirer:
 
     @property
     def pending(self) -> int:
-        return len(self._sent) + len(self._held)
+        return sum(len(batch.jobs) for batch in self._sent) + len(self._held)
 
     def requests(self) -> list:
         """The requests whose acquire is held or awaits its reply."""
-        return [job.request for job in self._sent] + [job.request for job in self._held]
+        return [job.request for batch in self._sent for job in batch.jobs] + \
+            [job.request for job in self._held]
 
     def submit(self, job: Job) -> None:
         """Send the acquire; ``job.done`` runs when its reply is read.
@@ -104,7 +119,7 @@ class Acquirer:
         system calls (one write and one read for several acquires).
         """
         try:
-            job.command = self.store.acquire_command(**job.call)
+            job.parts = self.store.acquire_parts(**job.call)
         except Exception as exc:  # noqa: BLE001 - this job's own fault: it alone fails, nothing was sent
             # (A job queued before its command was packed shifted every later
             # reply onto the wrong job: issue #14.1.)
@@ -140,14 +155,17 @@ class Acquirer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        starts = self.marks.take_due_starts() if self.marks is not None else {}
         try:
             self._connection()
-            self._sock.sendall(b"".join([job.command for job in jobs]))
+            self._sock.sendall(self.store.acquire_many_command(
+                [job.parts for job in jobs], self.marks.owner if starts else "", starts))
         except Exception as exc:  # noqa: BLE001 - every waiting job learns why; none is dropped
+            self._give_back(starts)
             self._fail_all(exc)
             return
         self._held = []
-        self._sent.extend(jobs)
+        self._sent.append(Batch(jobs, starts))
         self.sent += len(jobs)
         self.writes += 1
 
@@ -186,12 +204,13 @@ class Acquirer:
                     if not self._sent:
                         raise OutOfStep(f"acquire connection to {self.store.description}: "
                                         f"reply without a request: {reply!r}")
-                    if not _is_acquire_reply(reply):
-                        # Not what acquire.lua answers: replies and jobs are out of
-                        # step, so no reply on this connection can be trusted.
+                    if not _is_many_reply(reply, len(self._sent[0].jobs)):
+                        # Not what acquire_many.lua answers: replies and calls are out
+                        # of step, so no reply on this connection can be trusted.
                         raise OutOfStep(f"acquire connection to {self.store.description}: "
-                                        f"reply {reply!r} is not an acquire reply (task "
-                                        f"{self._sent[0].call.get('task_id')!r})")
+                                        f"reply {reply!r} is not the reply to "
+                                        f"{len(self._sent[0].jobs)} acquire(s) (first task "
+                                        f"{self._sent[0].jobs[0].call.get('task_id')!r})")
                     pos = after
                     self._deliver(self._sent.popleft(), reply)
                 del buffer[:pos]
@@ -202,14 +221,26 @@ class Acquirer:
             self._fail_all(exc)
         self._maybe_send()
 
-    def _deliver(self, job: Job, reply: Any) -> None:
+    def _deliver(self, batch: Batch, reply: Any) -> None:
+        """Each job of the call gets its own answer (an Acquisition, or its LeaseError)."""
+        calls = [job.call for job in batch.jobs]
+        owner = self.marks.owner if batch.starts else ""
         try:
-            result: Any = self.store.acquire_reply(reply, **job.call)
-        except LeaseError as exc:  # an error reply, or CORRUPT naming the key and field
-            result = exc
-        except Exception:  # noqa: BLE001 - named, and the task is not run without a lease
-            result = LeaseError(f"task {job.call.get('task_id')}: acquire returned {reply!r}")
-        self._call(job, result)
+            results, _ = self.store.acquire_many_reply(reply, calls, owner=owner, starts=batch.starts)
+        except LeaseError as exc:  # an error of the whole call: every acquire of it failed
+            self._give_back(batch.starts)
+            results = [exc] * len(calls)
+        except Exception:  # noqa: BLE001 - named, and no task is run without a lease
+            self._give_back(batch.starts)
+            results = [LeaseError(f"{len(calls)} acquire(s) (first task {calls[0].get('task_id')}): "
+                                  f"acquire_many returned {reply!r}")] * len(calls)
+        for job, result in zip(batch.jobs, results):
+            self._call(job, result)
+
+    def _give_back(self, starts: dict[str, int]) -> None:
+        """Start marks whose call failed go back to the heartbeat, which sends them."""
+        if starts and self.marks is not None:
+            self.marks.give_back_starts(starts)
 
     def _call(self, job: Job, result: Any) -> None:
         try:
@@ -232,7 +263,9 @@ class Acquirer:
             if isinstance(exc, OutOfStep):
                 logger.error("celery-leases: %s; the connection is reset and %d acquire(s) waiting "
                              "on it are tried again", exc, self.pending)
-        jobs = list(self._sent) + self._held
+        jobs = [job for batch in self._sent for job in batch.jobs] + self._held
+        for batch in self._sent:
+            self._give_back(batch.starts)
         self._sent.clear()
         self._held = []
         for job in jobs:
@@ -278,6 +311,15 @@ class OutOfStep(LeaseError):
     """Raised when a reply on the acquire connection cannot be the next job's (fails every job)."""
 
 
+def _is_many_reply(reply: Any, n: int) -> bool:
+    """True for what acquire_many.lua can return for ``n`` acquires: an error of the
+    whole call, or ``n`` acquire replies and the number of leases marked."""
+    if isinstance(reply, Exception):
+        return True
+    return isinstance(reply, list) and len(reply) == n + 1 and type(reply[-1]) is int and \
+        all(_is_acquire_reply(item) for item in reply[:n])
+
+
 def _is_acquire_reply(reply: Any) -> bool:
     """True for what acquire.lua can return: {code, token, generation, recoveries, state},
     {CORRUPT, key, field, detail}, or an error."""
@@ -296,4 +338,4 @@ _ACQUIRE_CODES = frozenset({Code.ACQUIRED, Code.TAKEN_OVER, Code.BUSY, Code.FINI
                             Code.DEAD, Code.LOST, Code.NO_MESSAGE})
 
 
-__all__ = ["Acquirer", "Job"]
+__all__ = ["Acquirer", "Batch", "Job"]

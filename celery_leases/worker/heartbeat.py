@@ -12,7 +12,10 @@ the thread never dies quietly.
 The same thread sends the start marks (``LeaseStore.mark_started``): when the
 pool starts a task, the mark is queued here and sent within
 ``START_MARK_DELAY``, several in one call; a task that finishes first needs
-no mark at all, so a short task costs no extra call.
+no mark at all, so a short task costs no extra call. Where the worker's
+acquirer runs (acquirer.py), a mark that has waited its delay rides along
+with the next acquire the acquirer sends (``take_due_starts``) instead, and
+the thread sends only what no acquire took within ``START_MARK_FALLBACK``.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ logger = logging.getLogger("celery_leases.heartbeat")
 #: that kills its worker before its mark is in Redis costs its task only an
 #: unstarted recovery (bounded apart, docs/recovery.md).
 START_MARK_DELAY = 0.025
+#: Where acquires carry the marks (``carry_marks``), seconds a mark waits before the
+#: thread sends it in a call of its own: an idle worker's marks still go out promptly.
+START_MARK_FALLBACK = 2 * START_MARK_DELAY
 
 
 @dataclass
@@ -73,8 +79,13 @@ class Heartbeat:
         self.ticks = self.failures = self.consecutive_failures = 0
         self.last_renewed_at: float | None = None
         self.outage = Outage(logger, "lease heartbeat")
-        #: Start marks waiting to be sent: task id -> token.
-        self._starts: dict[str, int] = {}
+        #: Start marks waiting to be sent: task id -> (token, monotonic time it was queued).
+        self._starts: dict[str, tuple[int, float]] = {}
+        #: Seconds a mark waits for the thread to send it (START_MARK_FALLBACK once
+        #: acquires carry the marks).
+        self.mark_wait = START_MARK_DELAY
+        #: Marks sent with an acquire (take_due_starts) rather than by the thread.
+        self.starts_carried = 0
         #: True from the wake-up for a start mark until the thread takes the marks: later
         #: starts then need no wake-up of their own (an Event.set per task is not free).
         self._starts_due = False
@@ -91,6 +102,8 @@ class Heartbeat:
         self._wake = threading.Event()
         #: How long the thread's current wait lasts (the interval it computed before sleeping).
         self._sleeping_for = interval
+        #: When the thread's current tick is due (monotonic): mark sends wait no longer.
+        self._tick_due = 0.0
         self._thread: threading.Thread | None = None
 
     # -- registry ---------------------------------------------------------
@@ -111,9 +124,39 @@ class Heartbeat:
             if held is None or held.token != token or held.started:
                 return
             held.started = True
-            self._starts[task_id] = token
+            self._starts[task_id] = (token, time.monotonic())
             if self._starts_due:  # the thread is already on its way for the others
                 return
+            self._starts_due = True
+        self._wake.set()
+
+    def carry_marks(self) -> None:
+        """Acquires carry the marks from now on: the thread sends only those left behind."""
+        self.mark_wait = START_MARK_FALLBACK
+
+    def take_due_starts(self) -> dict[str, int]:
+        """The marks that have waited ``START_MARK_DELAY``, taken to ride along with an
+        acquire (acquire_many): task id -> token. A task that ends within the delay
+        still needs no mark."""
+        if not self._starts:  # the common case, without the lock
+            return {}
+        now = time.monotonic()
+        with self.lock:
+            due = {task_id: token for task_id, (token, at) in self._starts.items()
+                   if now - at >= START_MARK_DELAY}
+            for task_id in due:
+                del self._starts[task_id]
+        self.starts_carried += len(due)
+        return due
+
+    def give_back_starts(self, starts: dict[str, int]) -> None:
+        """Marks an acquire took but could not deliver: queued again, due at once, for
+        the leases still held (the thread sends them)."""
+        with self.lock:
+            for task_id, token in starts.items():
+                held = self.held.get(task_id)
+                if held is not None and held.token == token:
+                    self._starts.setdefault(task_id, (token, 0.0))
             self._starts_due = True
         self._wake.set()
 
@@ -172,8 +215,8 @@ class Heartbeat:
                 if self._stop.is_set():
                     return
                 if self._starts or self._starts_due:
-                    self._stop.wait(START_MARK_DELAY)
-                    self._guarded(self.send_starts)
+                    self._tick_due = due
+                    self._guarded(self._send_starts_when_due)
                 if self._retick or time.monotonic() >= due:
                     self._retick = False
                     break
@@ -186,6 +229,25 @@ class Heartbeat:
             self.failures += 1
             logger.exception("lease heartbeat: %s failed unexpectedly; retrying", fn.__name__)
 
+    def _send_starts_when_due(self) -> None:
+        """Send every queued mark once the oldest has waited ``mark_wait`` (those an
+        acquire carried meanwhile are gone from the queue); back in time for the tick,
+        which sends what is still queued."""
+        tick_due = self._tick_due
+        while not self._stop.is_set() and not self._retick:
+            with self.lock:
+                if not self._starts:
+                    self._starts_due = False
+                    return
+                oldest = min(at for _, at in self._starts.values())
+            now = time.monotonic()
+            if now >= oldest + self.mark_wait:
+                self.send_starts()
+                return
+            if now >= tick_due:
+                return
+            self._stop.wait(min(oldest + self.mark_wait, tick_due) - now)
+
     def send_starts(self) -> int:
         """Send the queued start marks in one call; on failure they wait for the next try."""
         with self.lock:
@@ -194,13 +256,13 @@ class Heartbeat:
         if not starts:
             return 0
         try:
-            marked = self.store.mark_started(self.owner, starts)
+            marked = self.store.mark_started(self.owner, {t: token for t, (token, _) in starts.items()})
         except Exception as exc:  # noqa: BLE001 - counted, logged once per outage, sent again
             with self.lock:
-                for task_id, token in starts.items():
+                for task_id, queued in starts.items():
                     held = self.held.get(task_id)
-                    if held is not None and held.token == token:
-                        self._starts.setdefault(task_id, token)
+                    if held is not None and held.token == queued[0]:
+                        self._starts.setdefault(task_id, queued)
             self._start_outage.failed(exc, f"{len(starts)} lease(s)")
             return 0
         self.start_calls += 1

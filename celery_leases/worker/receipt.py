@@ -12,9 +12,9 @@ delivery.py; this module acts on it:
   with a growing delay (``_requeue_later``), never run unleased;
 - a permanent error: the delivery is parked (parking.py), never re-queued.
 
-With an event loop (prefork, threads) the acquire is sent without waiting
-(acquirer.py). Each acquire carries the *epoch* it was sent in: the consumer
-dropping its requests (a broker reconnect, shutdown) starts a new epoch, and
+With an event loop (prefork, threads) the acquire is sent without waiting,
+together with those received meanwhile and the due start marks (acquirer.py).
+Each acquire carries the *epoch* it was sent in: the consumer dropping its requests (a broker reconnect, shutdown) starts a new epoch, and
 a lease granted to an acquire of an older epoch is released at once.
 """
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Receipt:
         #: while the pool has work they wait for company (prefork, and threads: their pool
         #: queues what it cannot start yet, which the reserved and active requests show).
         batch = prefork or type(pool).__module__ == "celery.concurrency.thread"
-        self.acquirer = Acquirer(store, hub, busy=self._pool_busy if batch else None) \
+        self.acquirer = Acquirer(store, hub, busy=self._pool_busy if batch else None,
+                                 marks=heartbeat) \
             if hub is not None and Acquirer.supported(store) else None
         if self.acquirer is not None:
             hub.on_tick.add(self.acquirer.tick)

@@ -237,6 +237,7 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     acq = store.acquire("t1", "w", body=b"b", envelope={})
     store.renew_many("w", {"t1": acq.token})
     store.mark_started("w", {"t1": acq.token})
+    store.acquire_many([dict(task_id="t7", owner="w")], owner="w", starts={"t1": acq.token})
     store.progress("t1", "w", acq.token)
     store.release("w", {"t1": acq.token})
     store.recover(publish=lambda claim: None)

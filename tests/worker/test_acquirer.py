@@ -24,7 +24,9 @@ from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
 from celery_leases.testing.servers import RedisServer
 from celery_leases.protocol.records import Acquisition
 from celery_leases.protocol.wire import pack
+from celery_leases.testing import wait_for
 from celery_leases.worker.acquirer import Acquirer, Job
+from celery_leases.worker.heartbeat import START_MARK_DELAY, START_MARK_FALLBACK, Heartbeat, Held
 from celery_leases.worker.delivery import MalformedMessage
 from celery_leases.worker.service import LeaseWorker
 
@@ -156,6 +158,127 @@ def test_while_the_pool_is_busy_acquires_wait_and_go_out_in_one_write(store):
     assert (acquirer.sent, acquirer.writes) == (5, 3)
     wait_readable(hub)
     assert results[-1][0] == last and results[-1][1].owned
+
+
+def _script_calls(client) -> int:
+    stats = client.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
+def _heartbeat(store, *task_ids):
+    """A heartbeat (its thread not started) holding a fresh lease of w1 on each task id."""
+    beat = Heartbeat(store, "w1", 60.0, lambda *a: None)
+    for task_id in task_ids:
+        beat.add(task_id, Held(store.acquire(task_id, "w1").token, ttl=30))
+    return beat
+
+
+def test_acquires_that_went_out_together_are_one_script_call(store):
+    # Given an acquirer whose first acquire is on its way
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub)
+    ids = [f"m{i}-{uuid.uuid4()}" for i in range(8)]
+    store.acquire_many([dict(task_id="warm-up", owner="w1")])
+    before = _script_calls(store.client)
+    acquirer.submit(job(results, ids[0]))
+    # When seven more arrive before its reply
+    for task_id in ids[1:]:
+        acquirer.submit(job(results, task_id))
+    while len(results) < len(ids):
+        wait_readable(hub)
+    # Then the server ran two script calls for the eight, each acquire its own lease
+    assert _script_calls(store.client) - before == 2
+    assert [task_id for task_id, _ in results] == ids
+    _own_tokens(store, results)
+    assert all(result.owned for _, result in results)
+
+
+def test_due_start_marks_ride_along_with_the_next_acquire(store):
+    # Given a heartbeat whose two leases' tasks started, one long enough ago, one just now
+    old, young = f"old-{uuid.uuid4()}", f"young-{uuid.uuid4()}"
+    beat = _heartbeat(store, old, young)
+    hub, results = Hub(), []
+    acquirer = Acquirer(store, hub, marks=beat)
+    beat.started(old, beat.held[old].token)
+    time.sleep(START_MARK_DELAY + 0.01)
+    beat.started(young, beat.held[young].token)
+    before = _script_calls(store.client)
+    # When an acquire goes out
+    acquirer.submit(job(results, nxt := f"n-{uuid.uuid4()}"))
+    wait_readable(hub)
+    # Then the due mark went with it: one script call, the old lease marked started,
+    # the young one still queued for later (its task may end first and need none)
+    assert results[0][0] == nxt and results[0][1].owned
+    assert _script_calls(store.client) - before == 1
+    assert store.get(old).started and not store.get(young).started
+    assert set(beat._starts) == {young} and beat.starts_carried == 1 and beat.start_calls == 0
+    # And the thread, left to send what no acquire carried, waits the fallback delay
+    assert beat.mark_wait == START_MARK_FALLBACK > START_MARK_DELAY
+
+
+def test_marks_whose_call_failed_go_back_to_the_heartbeat(tmp_path, key_prefix):
+    server = RedisServer(dir=tmp_path).start()
+    store = LeaseStore(redis.Redis.from_url(server.url, socket_timeout=2), prefix=key_prefix)
+    try:
+        task_id = f"s-{uuid.uuid4()}"
+        beat = _heartbeat(store, task_id)
+        hub, results = Hub(), []
+        acquirer = Acquirer(store, hub, marks=beat)
+        acquirer.submit(job(results, "first"))
+        wait_readable(hub)
+        beat.started(task_id, beat.held[task_id].token)
+        time.sleep(START_MARK_DELAY + 0.01)
+        server.stop()
+        # When the call that carries the mark fails
+        acquirer.submit(job(results, "second"))
+        acquirer.flush(timeout=5)
+        assert isinstance(results[-1][1], LeaseUnavailable)
+        # Then the mark is queued again, due at once, for the heartbeat to send
+        assert beat._starts == {task_id: (beat.held[task_id].token, 0.0)} and beat._starts_due
+        server.start()
+        store.acquire(task_id, "w1", reassert=beat.held[task_id].token)
+        assert beat.send_starts() == 1 and store.get(task_id).started
+    finally:
+        server.stop()
+
+
+def test_the_thread_sends_a_mark_no_acquire_carried_after_the_fallback_delay(store):
+    task_id = f"f-{uuid.uuid4()}"
+    beat = _heartbeat(store, task_id)
+    Acquirer(store, Hub(), marks=beat)  # acquires carry the marks; none goes out here
+    beat.start()
+    try:
+        started = time.monotonic()
+        beat.started(task_id, beat.held[task_id].token)
+        wait_for(lambda: beat.start_calls == 1, 5, what="the start mark")
+        assert time.monotonic() - started >= START_MARK_FALLBACK
+        assert store.get(task_id).started and beat.starts_carried == 0
+    finally:
+        beat.stop()
+
+
+def test_marks_do_not_delay_the_renewal_tick(store):
+    # Given marks queued again and again, each taken by an acquire before the thread sends it
+    task_ids = [f"r{i}-{uuid.uuid4()}" for i in range(40)]
+    beat = _heartbeat(store, *task_ids)
+    beat.default_interval = 0.2
+    for held in beat.held.values():
+        held.interval = 0.2
+    Acquirer(store, Hub(), marks=beat)
+    beat.start()
+    try:
+        deadline, n = time.monotonic() + 1.2, 0
+        while time.monotonic() < deadline:
+            held = beat.held[task_ids[n % len(task_ids)]]
+            held.started = False
+            beat.started(task_ids[n % len(task_ids)], held.token)
+            n += 1
+            time.sleep(0.02)
+            beat.take_due_starts()
+        # Then the thread still renewed about every 0.2 s
+        assert beat.ticks >= 3, beat.ticks
+    finally:
+        beat.stop()
 
 
 def test_an_error_reply_fails_only_its_own_job(store):

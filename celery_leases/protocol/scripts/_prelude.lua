@@ -44,6 +44,11 @@
                              is given, index the deadline; the record loses any expiry unless
                              ``persist`` is false (a record that never had one), a kept stored
                              message only with ``persist_message``; acquire.lua and reassert.lua
+  mark_starts(stats, keys, from, owner, tokens, at)
+                             mark started the leases whose records are keys[from..] and
+                             whose tokens are tokens[at..] (in the same order), if
+                             ``owner`` still holds them; the number marked (counted as
+                             ``started``); mark_started.lua and acquire_many.lua
   drop_unwritten(index, results, ids, from)
                              forget the kept results (unwritten.py) of ids[from..]: Celery
                              wrote them; finish.lua (riding along) and results_written.lua
@@ -226,6 +231,21 @@ local function activate(key, deadlines, stats, message, l, extra)
   if l.persist ~= false then redis.call('PERSIST', key) end
   redis.call('ZADD', deadlines, l.now + l.ttl, l.task_id)
   count(stats, 'acquired', 1)
+end
+
+local function mark_starts(stats, keys, from, owner, tokens, at)
+  local suffix = '@' .. owner
+  local marked = 0
+  for k = from, #keys do
+    local key = keys[k]
+    local holder = wrongtype(key, redis.pcall('HGET', key, 'holder'))
+    if holder == tokens[at + k - from] .. suffix then
+      redis.call('HSET', key, 'started', '1')
+      marked = marked + 1
+    end
+  end
+  if marked > 0 then redis.call('HINCRBY', stats, 'started', marked) end
+  return marked
 end
 
 local function drop_unwritten(index, results, ids, from)

@@ -17,15 +17,4 @@
   Output: number of leases marked (OK for each; leases the caller no longer
   holds are left alone)
 ]]
-local suffix = '@' .. ARGV[1]
-local marked = 0
-for k = 2, #KEYS do
-  local key = KEYS[k]
-  local holder = wrongtype(key, redis.pcall('HGET', key, 'holder'))
-  if holder == ARGV[k] .. suffix then
-    redis.call('HSET', key, 'started', '1')
-    marked = marked + 1
-  end
-end
-if marked > 0 then redis.call('HINCRBY', KEYS[1], 'started', marked) end
-return marked
+return mark_starts(KEYS[1], KEYS, 2, ARGV[1], ARGV, 2)
