@@ -14,8 +14,9 @@ delivery.py; this module acts on it:
 
 With an event loop (prefork, threads) the acquire is sent without waiting,
 together with those received meanwhile and the due start marks (acquirer.py).
-Each acquire carries the *epoch* it was sent in: the consumer dropping its requests (a broker reconnect, shutdown) starts a new epoch, and
-a lease granted to an acquire of an older epoch is released at once.
+Each acquire carries the *epoch* it was sent in: the consumer dropping its
+requests (a broker reconnect, shutdown) starts a new epoch, and a lease granted
+to an acquire of an older epoch is released at once.
 """
 from __future__ import annotations
 
