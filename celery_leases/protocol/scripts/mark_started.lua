@@ -5,8 +5,9 @@
   prefetched task may run, so acquire records started = 0. Only a lease marked
   started here counts a recovery when its owner dies (claim_expired, acquire's
   take-over): tasks a dead worker had prefetched but never ran are not charged
-  for its death. The worker sends these marks from its heartbeat thread, a few
-  at a time, shortly after the pool started the tasks.
+  for its death. The worker's heartbeat thread sends here, a few at a time,
+  the marks that did not ride along with an acquire (acquire_many.lua), shortly
+  after the pool started the tasks.
 
   Input:
     KEYS[1] stats hash (counts the marks, field started)
