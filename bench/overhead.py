@@ -98,6 +98,7 @@ QUICK = {"n": 100, "rounds": 1, "warmup": 20, "ticks": 1, "pools": "prefork"}
 #: Targets from the issue.
 RATIO_TARGET = 0.95
 LEASE_TRIPS_TARGET = 2.0
+PUBLISH_TRIPS = 1.0
 HEARTBEAT_SIZES = (1, 10, 100)
 
 #: Worker pools: name -> concurrency.
@@ -408,7 +409,9 @@ def ratio_target(case: str) -> str:
     return f"{case}: leased/plain >= {RATIO_TARGET:.2f} ({', '.join(TARGET_POOLS)})"
 
 
-TRIPS_TARGET = f"<= {LEASE_TRIPS_TARGET:g} lease-store round trips per task"
+TRIPS_TARGET = f"<= {LEASE_TRIPS_TARGET:g} lease-store round trips per task in the worker"
+#: Publish tracking's own bound (issue #18): the record made at publish, one call per task.
+PUBLISH_TRIPS_TARGET = f"<= {PUBLISH_TRIPS:g} lease-store round trip per published task"
 HB_TARGET = "1 renew call per heartbeat tick (1, 10, 100 leases)"
 
 
@@ -426,11 +429,14 @@ def evaluate(results: dict) -> dict[str, dict]:
                 ok = ok and r >= RATIO_TARGET
         if measured:
             targets[ratio_target(case)] = {"measured": "; ".join(measured), "result": "PASS" if ok else "MISS"}
-    # Publisher and worker together, tracking on (the default); a difference within 0.05 is polling noise.
-    trips = {pool: p["backlog drain"]["leased"]["lease_calls"] for pool, p in pools.items()}
-    targets[TRIPS_TARGET] = {
-        "measured": "; ".join(f"{pool} {v:.2f}" for pool, v in trips.items()),
-        "result": "PASS" if all(v <= LEASE_TRIPS_TARGET + 0.05 for v in trips.values()) else "MISS"}
+    # The worker's calls and the publisher's, tracking on (the default), each against its own
+    # bound (the table shows their sum too); a difference within 0.05 is polling noise.
+    for target, field, bound in ((TRIPS_TARGET, "worker_lease_calls", LEASE_TRIPS_TARGET),
+                                 (PUBLISH_TRIPS_TARGET, "publish_lease_calls", PUBLISH_TRIPS)):
+        trips = {pool: p["backlog drain"]["leased"][field] for pool, p in pools.items()}
+        targets[target] = {
+            "measured": "; ".join(f"{pool} {v:.2f}" for pool, v in trips.items()),
+            "result": "PASS" if all(v <= bound + 0.05 for v in trips.values()) else "MISS"}
     hb = results["heartbeat"]
     if hb:
         targets[HB_TARGET] = {"measured": " / ".join(f"{row['calls_per_tick']:g}" for row in hb),
@@ -462,8 +468,10 @@ def table(results: dict, targets: dict[str, dict]) -> str:
         rows.append(("  lease-store round trips per task: publisher + worker",
                      "0", f"{b['leased']['publish_lease_calls']:.2f} + {b['leased']['worker_lease_calls']:.2f}",
                      f"{b['leased, untracked']['publish_lease_calls']:.2f} + "
-                     f"{b['leased, untracked']['worker_lease_calls']:.2f}", "", TRIPS_TARGET,
-                     "PASS" if b["leased"]["lease_calls"] <= LEASE_TRIPS_TARGET + 0.05 else "MISS"))
+                     f"{b['leased, untracked']['worker_lease_calls']:.2f}",
+                     f"{b['leased']['lease_calls']:.2f} in all", f"{TRIPS_TARGET}; {PUBLISH_TRIPS_TARGET}",
+                     "PASS" if b["leased"]["worker_lease_calls"] <= LEASE_TRIPS_TARGET + 0.05 and
+                     b["leased"]["publish_lease_calls"] <= PUBLISH_TRIPS + 0.05 else "MISS"))
         for group in b["plain"]["cpu_us"]:
             cells = [b[k]["cpu_us"].get(group, 0.0) for k in KINDS]
             if not any(cells):

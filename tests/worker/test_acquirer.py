@@ -547,3 +547,34 @@ def test_a_stalled_lease_store_stalls_only_the_leased_tasks(pool, celery_env, st
         app.close()
     finally:
         lease_redis.stop()
+
+
+def test_a_prefork_worker_draining_a_backlog_shares_its_acquire_calls(celery_env, start_worker, history,
+                                                                     tmp_path):
+    from tests.support.apps.leased_app import create_app
+
+    # Given a backlog of leased tasks queued before the worker starts, and a lease store
+    # on a server of its own (so its calls can be counted)
+    lease_redis = RedisServer(dir=tmp_path).start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url, "LEASES_TEST_PREFETCH": "4",
+               "LEASES_TEST_HISTORY_URL": celery_env["LEASES_TEST_BROKER"]}
+        app = create_app(env)
+        n = 150
+        results = [app.signature("tests.support.apps.leased_app.add", (i, 1)).delay() for i in range(n)]
+        client = redis.Redis.from_url(lease_redis.url)
+        before = _script_calls(client)
+        # When a prefork worker drains it
+        start_worker("a", pool="prefork", **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        assert [r.get(timeout=60) for r in results] == [i + 1 for i in range(n)]
+        calls = _script_calls(client) - before
+        # Then every task ran once, under a lease of its own
+        starts = [(task_id, fields["token"]) for event, task_id, _, fields in history() if event == "start"]
+        assert sorted(task_id for task_id, _ in starts) == sorted(r.id for r in results)
+        assert len({token for _, token in starts}) == n and "None" not in {token for _, token in starts}
+        # ... and its acquires shared calls: one finish per task, far fewer acquire calls than
+        # tasks (a few more calls for the heartbeat's ticks and start marks)
+        assert calls <= 1.75 * n + 10, calls
+        client.close()
+    finally:
+        lease_redis.stop()
