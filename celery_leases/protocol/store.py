@@ -159,9 +159,7 @@ class LeaseStore:
     def acquire_parts(self, **call: Any) -> tuple[bytes, bytes]:
         """``acquire(**call)``'s keys and arguments, packed, for ``acquire_many_command``
         (a caller that writes its own socket packs each acquire as it comes)."""
-        script, keys, args = self._acquire_call(**call)
-        if script is not scripts.acquire:
-            raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an acquire_many call")
+        keys, args = self._shared_acquire(call)
         return segments(keys), segments(args)
 
     def acquire_many_command(self, parts: Sequence[tuple[bytes, bytes]], owner: str = "",
@@ -203,15 +201,19 @@ class LeaseStore:
         keys: list = []
         args: list = []
         for call in calls:
-            script, one_keys, one_args = self._acquire_call(**call)
-            if script is not scripts.acquire:
-                raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an "
-                                 f"acquire_many call")
+            one_keys, one_args = self._shared_acquire(call)
             keys += one_keys
             args += one_args
         mark_keys, mark_args = self._marks(owner, starts)
         return keys + mark_keys, [len(calls), len(mark_args), owner if mark_args else "", *mark_args,
                                   *args]
+
+    def _shared_acquire(self, call: Mapping[str, Any]) -> tuple[list, list]:
+        """One acquire's keys and arguments as acquire_many takes them (acquire.lua's)."""
+        script, keys, args = self._acquire_call(**call)
+        if script is not scripts.acquire:
+            raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an acquire_many call")
+        return keys, args
 
     def _marks(self, owner: str, starts: Mapping[str, int] | None) -> tuple[list, list]:
         """acquire_many's keys and tokens of the start marks (counted in the first one's shard)."""
