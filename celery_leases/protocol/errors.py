@@ -7,7 +7,8 @@ worker's acquirer and the fenced writes all hand their exceptions to
 - ``LeaseUnavailable``: the call may succeed later. Connection errors and
   timeouts (redis-py's and the socket's), ``LOADING`` (a restarted server
   reading its data), ``READONLY`` (a master demoted by a failover),
-  ``MASTERDOWN`` (a replica that lost its master), ``CLUSTERDOWN``,
+  ``MASTERDOWN`` (a replica that lost its master), ``BUSY`` (the server
+  is running another script past its time limit), ``CLUSTERDOWN``,
   ``TRYAGAIN``, ``MOVED``/``ASK`` (a cluster moving slots), a slot no node
   covers.
 - ``CorruptRecord``: a key of the wrong type (``WRONGTYPE``) or a script's
@@ -39,8 +40,8 @@ __all__ = ["lease_error", "UNAVAILABLE_REPLIES", "CORRUPT_REPLIES"]
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, SlotNotCoveredError)
 
 #: First words of error replies after which a call may succeed later.
-UNAVAILABLE_REPLIES = frozenset({"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN",
-                                 "MOVED", "ASK"})
+UNAVAILABLE_REPLIES = frozenset({"LOADING", "READONLY", "MASTERDOWN", "BUSY", "CLUSTERDOWN",
+                                 "TRYAGAIN", "MOVED", "ASK"})
 #: Words of error replies that say a key or field holds something invalid.
 CORRUPT_REPLIES = ("CORRUPT", "WRONGTYPE")
 
@@ -57,7 +58,10 @@ def lease_error(exc: BaseException, what: str, where: str = "") -> BaseException
     at = f" at {where}" if where else ""
     if isinstance(exc, ResponseError):
         text = str(exc)
-        first = text.split(" ", 1)[0]
+        # A pipeline's error names its command first ("Command # 1 (...) of pipeline caused
+        # error: BUSY ..."): the server's reply is what follows.
+        reply = text.split(" caused error: ", 1)[-1] if text.startswith("Command # ") else text
+        first = reply.split(" ", 1)[0]
         if first in UNAVAILABLE_REPLIES or type(exc).__name__ in ("ReadOnlyError", "AskError",
                                                                    "MovedError", "TryAgainError"):
             return LeaseUnavailable(f"lease store{at} unavailable during {what}: {text}")

@@ -35,6 +35,8 @@ REPLIES = [
     ("LOADING Redis is loading the dataset in memory", UNAVAILABLE),
     ("READONLY You can't write against a read only replica.", UNAVAILABLE),
     ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", UNAVAILABLE),
+    ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", UNAVAILABLE),
+    ("BUSYKEY Target key name already exists.", OTHER),
     ("CLUSTERDOWN The cluster is down", UNAVAILABLE),
     ("TRYAGAIN Multiple keys request during rehashing of slot", UNAVAILABLE),
     ("WRONGTYPE Operation against a key holding the wrong kind of value", CORRUPT),

@@ -242,6 +242,45 @@ def test_marks_whose_call_failed_go_back_to_the_heartbeat(tmp_path, key_prefix):
         server.stop()
 
 
+def test_a_call_the_busy_server_refuses_fails_each_acquire_as_unavailable_and_gives_the_marks_back(
+        tmp_path, key_prefix):
+    import threading
+
+    # Given a server busy running another script past its time limit (BUSY to everyone else)
+    server = RedisServer(dir=tmp_path).start()
+    try:
+        store = LeaseStore(redis.Redis.from_url(server.url), prefix=key_prefix)
+        store.client.config_set("lua-time-limit", 50)
+        held = f"s-{uuid.uuid4()}"
+        beat = _heartbeat(store, held)
+        hub, results = Hub(), []
+        acquirer = Acquirer(store, hub, marks=beat)
+        beat.started(held, beat.held[held].token)
+        time.sleep(START_MARK_DELAY + 0.01)
+        spin = threading.Thread(target=redis.Redis.from_url(server.url).eval, args=(
+            "local s = tonumber(redis.call('TIME')[1]) "
+            "while tonumber(redis.call('TIME')[1]) - s < 2 do end return 1", 0))
+        spin.start()
+        time.sleep(0.3)
+        # When the acquirer's call (two acquires and the due mark) meets it
+        acquirer.submit(job(results, "a"))
+        acquirer.submit(job(results, "b"))
+        while len(results) < 2:
+            wait_readable(hub)
+        spin.join()
+        # Then each acquire fails as "store unavailable" (tried again when due, never parked),
+        # naming the server's answer, and the mark is queued again for the heartbeat
+        assert [task_id for task_id, _ in results] == ["a", "b"]
+        assert all(isinstance(r, LeaseUnavailable) and "BUSY" in str(r) for _, r in results), results
+        assert set(beat._starts) == {held} and beat._starts_due
+        # And once the server is free, the next call acquires
+        acquirer.submit(job(results, "c"))
+        wait_readable(hub)
+        assert results[-1][0] == "c" and results[-1][1].owned
+    finally:
+        server.stop()
+
+
 def test_the_thread_sends_a_mark_no_acquire_carried_after_the_fallback_delay(store):
     task_id = f"f-{uuid.uuid4()}"
     beat = _heartbeat(store, task_id)
