@@ -114,9 +114,9 @@ class Acquirer:
         Sent at once unless sending later delays nothing: while an earlier
         acquire awaits its reply (as Nagle's algorithm does for TCP), or,
         for at most ``max_hold`` seconds, while ``busy()`` says the pool has
-        enough tasks ready to start. What is held goes out in one write. An
-        idle worker waits no longer than before; a busy one makes fewer
-        system calls (one write and one read for several acquires).
+        enough tasks ready to start. What is held goes out as one script
+        call. An idle worker waits no longer than before; a busy one makes
+        one call, one write and one read for several acquires.
         """
         try:
             job.parts = self.store.acquire_parts(**job.call)
