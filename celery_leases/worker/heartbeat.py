@@ -16,6 +16,7 @@ no mark at all, so a short task costs no extra call. Where the worker's
 acquirer runs (acquirer.py), a mark that has waited its delay rides along
 with the next acquire the acquirer sends (``take_due_starts``) instead, and
 the thread sends only what no acquire took within ``START_MARK_FALLBACK``.
+A tick never sends marks: it is one renewal call whatever else is queued.
 """
 from __future__ import annotations
 
@@ -209,17 +210,19 @@ class Heartbeat:
             self._sleeping_for = self.interval
             due = time.monotonic() + self._sleeping_for
             # Wake-ups for start marks send them and go back to sleep until the tick is due.
+            self._tick_due = due
             while True:
-                self._wake.wait(max(0.0, due - time.monotonic()))
-                self._wake.clear()
-                if self._stop.is_set():
-                    return
+                # Marks first: those a tick left queued are sent after it, not by it, so
+                # that a tick is one call at any load.
                 if self._starts or self._starts_due:
-                    self._tick_due = due
                     self._guarded(self._send_starts_when_due)
                 if self._retick or time.monotonic() >= due:
                     self._retick = False
                     break
+                self._wake.wait(max(0.0, due - time.monotonic()))
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
             self._guarded(self.tick)
 
     def _guarded(self, fn: Callable[[], object]) -> None:
@@ -299,8 +302,6 @@ class Heartbeat:
             return {}
         self.ticks += 1
         snapshot = {task_id: token for leases in groups.values() for task_id, token in leases.items()}
-        if self._starts:
-            self.send_starts()
         sent_at = time.monotonic()
         try:
             not_renewed: dict[str, Code] = {}

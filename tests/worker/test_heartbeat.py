@@ -103,3 +103,31 @@ def test_start_marks_wake_the_thread_once_per_batch_and_are_still_sent_after_an_
         assert not any(store.get(f"t{n}").started for n in range(3))
     finally:
         beat.stop()
+
+
+def test_a_tick_is_one_renewal_call_whatever_marks_are_queued_and_the_marks_go_out_after_it(
+        redis_server_url, key_prefix):
+    # Given a heartbeat holding leases whose tasks just started (their marks queued)
+    store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=30)
+    beat = Heartbeat(store, "w1", 0.2, lambda *a: None)
+    tokens = {f"t{n}": store.acquire(f"t{n}", "w1", ttl=30).token for n in range(3)}
+    for task_id, token in tokens.items():
+        beat.add(task_id, Held(token, ttl=30, interval=0.2))
+    calls = []
+    for name in ("renew_many", "mark_started"):
+        real = getattr(store, name)
+        setattr(store, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+    for task_id, token in tokens.items():
+        beat.started(task_id, token)
+    # When it ticks, Then the tick is the renewal alone, and the marks are still queued
+    beat.tick()
+    assert calls == ["renew_many"] and set(beat._starts) == set(tokens)
+    # And the running thread sends them once they have waited their delay, in one call
+    beat.start()
+    try:
+        wait_for(lambda: "mark_started" in calls, 5, what="the start marks")
+        assert calls.count("mark_started") == 1
+        assert all(store.get(task_id).started for task_id in tokens)
+        wait_for(lambda: beat.ticks >= 3, 5, what="later ticks")
+    finally:
+        beat.stop()
