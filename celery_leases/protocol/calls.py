@@ -26,7 +26,6 @@ from .direct import BUSY, DirectCaller
 from .direct import supported as direct_supported
 from .errors import lease_error
 
-
 if TYPE_CHECKING:
     from .scripts import Script
 

@@ -165,13 +165,12 @@ class LeaseStore:
     def acquire_many_command(self, parts: Sequence[tuple[bytes, bytes]], owner: str = "",
                              starts: Mapping[str, int] | None = None) -> bytes:
         """The EVALSHA of acquire_many for acquires packed by ``acquire_parts``, and marks."""
-        mark_keys, mark_args = self._marks(owner, starts)
+        mark_keys, head = self._many_frame(len(parts), owner, starts)
         n_keys = ACQUIRE_KEYS * len(parts) + len(mark_keys)
-        n_args = 3 + len(mark_args) + ACQUIRE_ARGS * len(parts)
+        n_args = len(head) + ACQUIRE_ARGS * len(parts)
         return b"".join([b"*%d\r\n" % (3 + n_keys + n_args),
                          segments(("EVALSHA", scripts.acquire_many.sha, n_keys)),
-                         *(keys for keys, _ in parts), segments(mark_keys),
-                         segments((len(parts), len(mark_args), owner if mark_args else "", *mark_args)),
+                         *(keys for keys, _ in parts), segments(mark_keys), segments(head),
                          *(args for _, args in parts)])
 
     def acquire_many_reply(self, raw: Any, calls: Sequence[Mapping[str, Any]], *, owner: str = "",
@@ -204,9 +203,8 @@ class LeaseStore:
             one_keys, one_args = self._shared_acquire(call)
             keys += one_keys
             args += one_args
-        mark_keys, mark_args = self._marks(owner, starts)
-        return keys + mark_keys, [len(calls), len(mark_args), owner if mark_args else "", *mark_args,
-                                  *args]
+        mark_keys, head = self._many_frame(len(calls), owner, starts)
+        return keys + mark_keys, head + args
 
     def _shared_acquire(self, call: Mapping[str, Any]) -> tuple[list, list]:
         """One acquire's keys and arguments as acquire_many takes them (acquire.lua's)."""
@@ -215,13 +213,16 @@ class LeaseStore:
             raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an acquire_many call")
         return keys, args
 
-    def _marks(self, owner: str, starts: Mapping[str, int] | None) -> tuple[list, list]:
-        """acquire_many's keys and tokens of the start marks (counted in the first one's shard)."""
+    def _many_frame(self, n: int, owner: str, starts: Mapping[str, int] | None) -> tuple[list, list]:
+        """acquire_many's keys after the acquires' (the marks': their shard's stats hash, then
+        each record) and its arguments before theirs (n, m, owner, the m tokens): its header's
+        layout, in this one place."""
         if not starts:
-            return [], []
+            return [], [n, 0, ""]
         first = next(iter(starts))
+        tokens = [int(token) for token in starts.values()]
         return ([self.keys.shard_for(first).stats, *(self.keys.record(t) for t in starts)],
-                [int(token) for token in starts.values()])
+                [n, len(tokens), owner, *tokens])
 
     def _acquire_call(self, task_id: str, owner: str, *, ttl: float | None = None,
                       generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
