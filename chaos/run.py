@@ -117,9 +117,12 @@ def run_mode(config: RunConfig, mode: str, *, scenario: str = "faults") -> tuple
         faulter.join(max(0.0, window_end - time.time()) + 60)
         _sleep_until(window_end)
         cluster.heal()
+        # A fault may outlast the window (a warm shutdown that needed its SIGKILL): the tasks
+        # get their settle time from when every worker is up again.
+        healed_at = time.time()
         submitter.join(config.settle_timeout)
         stop.set()
-        settle = _wait_settled(app, mode, list(submitted), window_end, config.settle_timeout)
+        settle = _wait_settled(app, mode, list(submitted), window_end, healed_at + config.settle_timeout)
         _wait_quiet(app, cluster, mode, config.quiet_timeout)
         final = collect(app, mode, [t.id for t in tasks])
         data = {
@@ -246,10 +249,10 @@ def _finished(app: Any, mode: str, ids: list[str]) -> set[str]:
     return done
 
 
-def _wait_settled(app: Any, mode: str, ids: list[str], window_end: float, timeout: float) -> float | None:
-    """Seconds from the end of the fault window until every submitted task finished (None: never)."""
+def _wait_settled(app: Any, mode: str, ids: list[str], window_end: float, deadline: float) -> float | None:
+    """Seconds from the end of the fault window until every submitted task finished (None: not
+    by ``deadline``, epoch seconds)."""
     remaining = set(ids)
-    deadline = window_end + timeout
     while True:
         try:
             remaining -= _finished(app, mode, sorted(remaining))
@@ -258,7 +261,8 @@ def _wait_settled(app: Any, mode: str, ids: list[str], window_end: float, timeou
         if not remaining:
             return round(max(0.0, time.time() - window_end), 2)
         if time.time() > deadline:
-            logger.warning("%d task(s) not finished %ss after the fault window", len(remaining), timeout)
+            logger.warning("%d task(s) not finished %.0fs after the fault window", len(remaining),
+                           deadline - window_end)
             return None
         time.sleep(0.5)
 

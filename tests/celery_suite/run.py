@@ -52,8 +52,7 @@ def sdist(celery_version: str) -> Path:
     if (target / "t" / "integration").is_dir():
         return target
     CACHE.mkdir(exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    f"celery=={celery_version}", "-d", str(CACHE)], check=True)
+    pip("download", "-q", "--no-deps", "--no-binary", ":all:", f"celery=={celery_version}", "-d", str(CACHE))
     archive = next(CACHE.glob(f"celery-{celery_version}.tar.gz"))
     with tarfile.open(archive) as tar:
         tar.extractall(CACHE, filter="data")
@@ -68,7 +67,18 @@ def ensure_plugins() -> None:
         except Exception:  # noqa: BLE001 - not installed
             missing.append(name)
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
+        pip("install", "-q", *missing)
+
+
+def pip(*args: str, tries: int = 3, pause: float = 10.0) -> None:
+    """Run pip; the registry's connection breaks now and then mid-download (an IncompleteRead
+    of a build dependency), so it gets ``tries`` tries, ``pause`` seconds apart."""
+    for attempt in range(1, tries + 1):
+        if subprocess.run([sys.executable, "-m", "pip", *args]).returncode == 0:
+            return
+        if attempt < tries:
+            time.sleep(pause)
+    raise SystemExit(f"pip {' '.join(args)}: failed {tries} times")
 
 
 def run(mode: str, tree: Path, redis_port: int, targets: list[str], keyword: str | None,
