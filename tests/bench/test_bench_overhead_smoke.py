@@ -13,7 +13,7 @@ def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
     # when the benchmark runs in quick mode (a prefork worker, a heartbeat worker, and a
     # lease store of its own),
     # then it succeeds and prints the table (asserted by run_quick_bench) with its targets
-    out, data = run_quick_bench("overhead.py", redis_server_url, tmp_path, timeout=90)
+    out, data = run_quick_bench("overhead.py", redis_server_url, tmp_path, timeout=240)
 
     for target in ("publisher-bound: leased/plain >= 0.95", "backlog drain: leased/plain >= 0.95",
                    "<= 2 lease-store round trips per task in the worker",
@@ -48,7 +48,7 @@ def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
 def test_the_shared_layout_counts_the_script_calls_on_the_one_server(redis_server_url: str,
                                                                    tmp_path: Path) -> None:
     # When the lease store is on the broker's server (--layout shared)
-    _, data = run_quick_bench("overhead.py", redis_server_url, tmp_path, timeout=90,
+    _, data = run_quick_bench("overhead.py", redis_server_url, tmp_path, timeout=240,
                               args=("--layout", "shared", "--no-heartbeat"))
     assert data["meta"]["layout"] == "shared"
     # Then the lease-store round trips are the script calls alone, as on a server of its own

@@ -11,7 +11,7 @@ def test_recovery_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
     # Given the session's Redis server and a scratch place for the JSON results,
     # when the benchmark runs in quick mode (it starts and SIGKILLs real workers),
     # then it succeeds and prints the table (asserted by run_quick_bench) with its two targets
-    out, data = run_quick_bench("recovery.py", redis_server_url, tmp_path, timeout=90)
+    out, data = run_quick_bench("recovery.py", redis_server_url, tmp_path, timeout=240)
 
     for target in ("worst SIGKILL-to-rerun <= ttl + interval + 1 s = 4 s",
                    "re-publish >= 0.8 x send_task throughput"):

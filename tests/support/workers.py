@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,6 +44,20 @@ def starts(history, task_id: str) -> list:
 def run_counts(history) -> Counter:
     """Task id -> how many times its body started, in a test's history."""
     return Counter(h[1] for h in history() if h[0] == "start")
+
+
+def results_of(results, store, timeout: float) -> list:
+    """Each result's value, waiting at most ``timeout`` seconds in all; a task that failed or
+    did not finish fails the test with its error, its lease record and its parked entry."""
+    deadline = time.monotonic() + timeout
+    values = []
+    for result in results:
+        try:
+            values.append(result.get(timeout=max(0.1, deadline - time.monotonic())))
+        except Exception as exc:  # noqa: BLE001 - reported with the store's view of the task
+            raise AssertionError(f"task {result.id}: {exc!r}; lease record {store.get(result.id)}; "
+                                 f"parked {store.parked_entry(result.id)}") from exc
+    return values
 
 
 def assert_ran_once_with_a_lease(history, results) -> None:
