@@ -155,7 +155,7 @@ class Worker:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Warm shutdown (SIGTERM): running tasks finish, held leases are released.
-        Killed if it has not exited after ``timeout`` seconds."""
+        Killed if it has not exited after ``timeout`` seconds, its threads' stacks logged first."""
         if not self.running:
             return
         assert self.proc is not None
@@ -164,6 +164,10 @@ class Worker:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            # Celery's SIGUSR1 handler logs every thread's stack: why the shutdown hung is then
+            # in the worker's log, next to what it logged before.
+            self.signal(signal.SIGUSR1, main_only=True)
+            time.sleep(1.0)
             self.kill()
 
     def log(self) -> str:

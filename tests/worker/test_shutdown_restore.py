@@ -95,3 +95,19 @@ def assert_ran_once_more(client_app, history, result, first) -> None:
     assert int(runs[1][3]["token"]) > int(first[3]["token"])
     record = celery_leases.store(client_app).get(result.id)
     assert (record.state, record.recoveries) == ("succeeded", 1)
+
+
+def test_a_warm_shutdown_that_hangs_logs_the_stacks_before_the_kill(client_app, start_worker, history):
+    # Given a worker running a 30 s task
+    worker = start_worker("a", concurrency=1)
+    stuck = client_app.signature(f"{TASKS}.sleep_then_echo", ("stuck", 30.0)).delay()
+    wait_for(lambda: starts(history, stuck.id), 20, what="the task to start")
+    # When its warm shutdown does not end within 2 s
+    began = time.monotonic()
+    worker.stop(timeout=2)
+    # Then it was killed, and its log holds every thread's stack (Celery's SIGUSR1 handler),
+    # the main thread's and the lease heartbeat's among them
+    assert not worker.running and time.monotonic() - began < 15
+    assert worker.proc.returncode == -signal.SIGKILL
+    log = worker.log()
+    assert "MainThread" in log and "celery-leases-heartbeat" in log, worker.log_tail()
