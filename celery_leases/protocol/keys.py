@@ -14,7 +14,18 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
+
+
+def usable_id(task_id: Any) -> bool:
+    """True for an id that can be a Redis key and travel in RESP: a non-empty UTF-8 string."""
+    if not isinstance(task_id, str) or not task_id:
+        return False
+    try:
+        task_id.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: Redis keys and RESP need real UTF-8
+        return False
+    return True
 
 
 @dataclass(frozen=True)

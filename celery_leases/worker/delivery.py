@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 from ..exceptions import LeaseError
 from ..publish import MAX_PUBLISH_ID, PUBLISH_HEADER
+from ..protocol.keys import usable_id
 
 __all__ = ["MalformedMessage", "Throttled", "validate_message", "DeliveryWindow",
-           "requeue_delay", "REQUEUES_HEADER", "DUE_HEADER", "local_eta", "usable_id", "describe", "eta_after"]
+           "requeue_delay", "REQUEUES_HEADER", "DUE_HEADER", "local_eta", "describe", "eta_after"]
 
 #: Header of a copy re-queued because the lease store was unreachable: how many
 #: times this delivery was re-queued so far (the backoff exponent).
@@ -61,17 +62,6 @@ def describe(request: Any) -> str:
     task_id = getattr(request, "id", None)
     shown = task_id if usable_id(task_id) else repr(task_id)
     return f"{getattr(request, 'name', None) or getattr(request.task, 'name', '?')}[{shown}]"
-
-
-def usable_id(task_id: Any) -> bool:
-    """True for an id that can be a Redis key and travel in RESP: a non-empty UTF-8 string."""
-    if not isinstance(task_id, str) or not task_id:
-        return False
-    try:
-        task_id.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: Redis keys and RESP need real UTF-8
-        return False
-    return True
 
 
 def _integer_header(request: Any, headers: Any, name: str) -> None:

@@ -30,6 +30,7 @@ from celery.worker.state import revoked as revoked_tasks
 
 from ..protocol.clock import ServerClock
 from ..protocol.codes import Code
+from ..protocol.keys import usable_id
 from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..messages import envelope_of, publish_raw
@@ -41,7 +42,7 @@ from ..protocol.records import Acquisition
 from ..protocol.store import LeaseStore
 from .acquirer import Acquirer, Job
 from .delivery import (DUE_HEADER, REQUEUES_HEADER, DeliveryWindow, Throttled, describe,
-                       eta_after, local_eta, requeue_delay, usable_id, validate_message)
+                       eta_after, local_eta, requeue_delay, validate_message)
 from .heartbeat import Heartbeat, Held
 
 logger = logging.getLogger("celery_leases.worker")

@@ -104,6 +104,18 @@ def test_a_skewed_local_clock_in_process_changes_nothing(store, monkeypatch, off
 # -- errors --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("task_id", [None, "", 42, b"t1", "t\udc80"])
+def test_get_refuses_an_id_that_cannot_be_a_key_naming_it(store, task_id):
+    # Given a store holding a record for "t1"
+    acquire(store, "t1", A)
+    # When get() is asked for an id that is not a non-empty UTF-8 str
+    with pytest.raises(TypeError) as info:
+        store.get(task_id)
+    # Then the error names the call and the value, and nothing was read under a made-up key
+    assert "LeaseStore.get" in str(info.value) and repr(task_id) in str(info.value)
+    assert store.get("t1").state == "active"
+
+
 def test_a_key_of_the_wrong_type_is_a_corrupt_record_naming_the_key(store):
     # Given a string where t1's record hash should be
     key = store.keys.record("t1")
