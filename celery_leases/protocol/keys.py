@@ -129,7 +129,10 @@ class Keys:
     # -- per task ----------------------------------------------------------
 
     def record(self, task_id: str) -> str:
-        """Hash holding one task's lease record."""
+        """Hash holding one task's lease record; TypeError for an id no record can have
+        (every call about one task names its record, so this is where such an id stops)."""
+        if not usable_id(task_id):
+            raise TypeError(f"task id {task_id!r}: not a non-empty UTF-8 str; no lease record can have it")
         return f"{self.shard_for(task_id).tag}:lease:{task_id}"
 
     def message(self, task_id: str) -> str:

@@ -20,7 +20,7 @@ from .calls import ScriptCalls, compact_json, ms, raise_unless_ok
 from .wire import segments
 from .codes import OUTCOMES, Code
 from .connection import connect, describe
-from .keys import Keys, usable_id
+from .keys import Keys
 from .records import (Acquisition, Claim, LeaseRecord, Parked, RecoveryReport, acquisition_of,
                       raise_if_corrupt)
 from .scripts import Script, scripts
@@ -421,8 +421,6 @@ class LeaseStore:
     def get(self, task_id: str) -> LeaseRecord | None:
         """The lease record of ``task_id``, or None when there is none; TypeError for an
         id no record can have (not a non-empty UTF-8 str)."""
-        if not usable_id(task_id):
-            raise TypeError(f"LeaseStore.get: task_id must be a non-empty UTF-8 str, got {task_id!r}")
         key = self.keys.record(task_id)
 
         def read() -> list:

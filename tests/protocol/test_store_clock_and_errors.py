@@ -105,15 +105,19 @@ def test_a_skewed_local_clock_in_process_changes_nothing(store, monkeypatch, off
 
 
 @pytest.mark.parametrize("task_id", [None, "", 42, b"t1", "t\udc80"])
-def test_get_refuses_an_id_that_cannot_be_a_key_naming_it(store, task_id):
+@pytest.mark.parametrize("call", ["get", "acquire", "finish", "revoke", "reset_record"])
+def test_a_call_about_a_task_refuses_an_id_no_record_can_have_naming_it(store, task_id, call):
     # Given a store holding a record for "t1"
     acquire(store, "t1", A)
-    # When get() is asked for an id that is not a non-empty UTF-8 str
+    # When a call about one task is given an id that is not a non-empty UTF-8 str
+    args = {"get": (task_id,), "acquire": (task_id, A), "finish": (task_id, A, 1, "succeeded"),
+            "revoke": (task_id,), "reset_record": (task_id,)}[call]
     with pytest.raises(TypeError) as info:
-        store.get(task_id)
-    # Then the error names the call and the value, and nothing was read under a made-up key
-    assert "LeaseStore.get" in str(info.value) and repr(task_id) in str(info.value)
+        getattr(store, call)(*args)
+    # Then the error names the field and the value, and nothing was written under a made-up key
+    assert "task id" in str(info.value) and repr(task_id) in str(info.value)
     assert store.get("t1").state == "active"
+    assert store.client.keys(store.keys.record("*")) == [store.keys.record("t1").encode()]
 
 
 def test_a_key_of_the_wrong_type_is_a_corrupt_record_naming_the_key(store):
