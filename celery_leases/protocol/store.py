@@ -420,7 +420,7 @@ class LeaseStore:
 
     def get(self, task_id: str) -> LeaseRecord | None:
         """The lease record of ``task_id``, or None when there is none; TypeError for an
-        id no record can have (not a non-empty UTF-8 str)."""
+        id no record can have (not a non-empty UTF-8 str), as for every call about one task."""
         key = self.keys.record(task_id)
 
         def read() -> list:
