@@ -14,6 +14,7 @@ import redis
 from celery.bin.base import CeleryCommand
 
 from ..protocol.codes import STATES
+from ..protocol.keys import usable_id
 from ..config import client_config
 from ..exceptions import ConfigurationError, CorruptRecord, LeaseError, LeaseUnavailable
 from ..protocol.store import LeaseStore
@@ -163,6 +164,14 @@ class HelpArgument(click.Argument):
         except TypeError:
             metavar = self.make_metavar()  # type: ignore[call-arg]
         return metavar, self.help or ""
+
+
+def task_id_argument(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Click callback of a TASK_ID argument: an id no record can have is a usage error
+    (exit 2, naming the argument), not a lookup."""
+    if not usable_id(value):
+        raise click.BadParameter(f"{value!r} is not a task id: it must be a non-empty UTF-8 string")
+    return value
 
 
 class LeasesCommand(CeleryCommand):

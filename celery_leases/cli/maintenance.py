@@ -7,7 +7,7 @@ from ..protocol.codes import TERMINAL_STATES
 from ..config import client_config
 from ..exceptions import CorruptRecord, LeaseError
 from .base import (HelpArgument, LeasesCommand, NotFound, _command, _emit_json, _prefix, _scrub, _secrets, _store,
-                   json_option)
+                   json_option, task_id_argument)
 from .format import _ago, _deadline, duration, parked_json, record_json, table
 
 
@@ -116,7 +116,8 @@ def parked(ctx: click.Context, limit: int, as_json: bool) -> None:
 
 
 @click.command(cls=LeasesCommand)
-@click.argument("task_id", cls=HelpArgument, help="The Celery task id (as in AsyncResult(TASK_ID)).")
+@click.argument("task_id", cls=HelpArgument, callback=task_id_argument,
+                help="The Celery task id (as in AsyncResult(TASK_ID)).")
 @click.option("--reset-record", is_flag=True,
               help="Delete the task's lease record first (a corrupt one, or a finished one whose "
                    "task must run again); without it, replay refuses while the record is corrupt.")

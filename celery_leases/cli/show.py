@@ -14,7 +14,7 @@ from ..protocol.records import LeaseRecord
 from ..protocol.store import LeaseStore
 from . import workers
 from .base import (COUNTERS, STATE_CHOICES, HelpArgument, LeasesCommand, NotFound, _command, _emit_json, _prefix,
-                   _store, json_option)
+                   _store, json_option, task_id_argument)
 from .format import (LS_HEADERS, _ago, _deadline, _indent, _iso, _ls_row, _relative, _running, duration,
                      record_json, table)
 
@@ -112,7 +112,8 @@ def ls(ctx: click.Context, state: str | None, name: str | None, worker: str | No
 
 
 @click.command(cls=LeasesCommand)
-@click.argument("task_id", cls=HelpArgument, help="The Celery task id (as in AsyncResult(TASK_ID)).")
+@click.argument("task_id", cls=HelpArgument, callback=task_id_argument,
+                help="The Celery task id (as in AsyncResult(TASK_ID)).")
 @json_option
 @click.pass_context
 @_command

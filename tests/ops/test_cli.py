@@ -141,6 +141,16 @@ def test_show_of_an_unknown_task_is_one_line_on_stderr_and_a_failure(cli, key_pr
     assert key_prefix in result.stderr
 
 
+@pytest.mark.parametrize("command", ["show", "replay"])
+def test_an_empty_task_id_is_a_usage_error_naming_the_argument(cli, command):
+    # When show or replay is given an id no lease record can have
+    result = cli(command, "")
+    # Then it is a usage error (exit 2) naming the argument, not a lookup or a traceback
+    assert result.returncode == 2, result.stderr
+    assert "TASK_ID" in result.stderr and "not a task id" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_an_unreachable_store_is_one_line_without_the_password(cli):
     # Given an app whose Redis URL carries a password, and nothing listening on its port
     url = f"redis://:pw-s3cret@127.0.0.1:{free_port()}/0"
