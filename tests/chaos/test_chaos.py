@@ -22,7 +22,10 @@ SEED = int(os.environ.get("CHAOS_SEED", "1"))
 @pytest.mark.timeout(480)
 def test_chaos_short_form_breaks_no_invariant_in_leases_mode(tmp_path, capsys):
     # Given a workload and fault schedule with every kind of fault, broker_loss included
-    config = RunConfig(seed=SEED, tasks=200, duration=45, workers=3, settle_timeout=45,
+    # (90 s to settle after the heal: a copy held by a worker that died holding it comes
+    # again after the delivery timeout's doubling wait, 10, 20, then 40 s; a run that
+    # settles sooner ends sooner)
+    config = RunConfig(seed=SEED, tasks=200, duration=45, workers=3, settle_timeout=90,
                        quiet_timeout=15, out=tmp_path)
     # When it runs on its own Redis and workers
     results = run_both(config, modes=("leases",))
