@@ -21,6 +21,8 @@ def usable_id(task_id: Any) -> bool:
     """True for an id that can be a Redis key and travel in RESP: a non-empty UTF-8 string."""
     if not isinstance(task_id, str) or not task_id:
         return False
+    if task_id.isascii():  # O(1) in CPython: the common case, no encode
+        return True
     try:
         task_id.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: Redis keys and RESP need real UTF-8
@@ -129,10 +131,7 @@ class Keys:
     # -- per task ----------------------------------------------------------
 
     def record(self, task_id: str) -> str:
-        """Hash holding one task's lease record; TypeError for an id no record can have
-        (every call about one task names its record, so this is where such an id stops)."""
-        if not usable_id(task_id):
-            raise TypeError(f"task id {task_id!r}: not a non-empty UTF-8 str; no lease record can have it")
+        """Hash holding one task's lease record."""
         return f"{self.shard_for(task_id).tag}:lease:{task_id}"
 
     def message(self, task_id: str) -> str:

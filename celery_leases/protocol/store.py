@@ -20,7 +20,7 @@ from .calls import ScriptCalls, compact_json, ms, raise_unless_ok
 from .wire import segments
 from .codes import OUTCOMES, Code
 from .connection import connect, describe
-from .keys import Keys
+from .keys import Keys, usable_id
 from .records import (Acquisition, Claim, LeaseRecord, Parked, RecoveryReport, acquisition_of,
                       raise_if_corrupt)
 from .scripts import Script, scripts
@@ -36,6 +36,15 @@ PARKED_CAP = 10_000
 
 #: Keys and arguments of one acquire (acquire.lua's header): acquire_many takes them in blocks.
 ACQUIRE_KEYS, ACQUIRE_ARGS = 6, 14
+
+
+def one_task(task_id: Any) -> str:
+    """``task_id``, or TypeError naming it when no record can have it (not a non-empty UTF-8
+    str). Checked where a caller names one task; ids read back from the store's own indexes
+    are not (a corrupt member is the scripts' to report, and must not stop a recovery pass)."""
+    if not usable_id(task_id):
+        raise TypeError(f"task id {task_id!r}: not a non-empty UTF-8 str; no lease record can have it")
+    return task_id
 
 
 class LeaseStore:
@@ -230,9 +239,8 @@ class LeaseStore:
                       envelope: Mapping | None = None, reassert: int = 0,
                       publish: str = "", recorded: bool = False) -> tuple[Script, list, list]:
         """The script, KEYS and ARGV of an acquire: acquire.lua, or reassert.lua for ``reassert``."""
-        if not isinstance(task_id, str):  # the wire would carry 1.5 as "1.5": a wrong id, not a task's
-            raise TypeError(f"task id {task_id!r} is not a string")
-        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+        # (The wire would carry 1.5 as "1.5": a wrong id, not a task's.)
+        key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
         keys = [key, shard.deadlines, shard.sequence, shard.stats, self.keys.message(task_id)]
         if not reassert:
             keys.append(shard.queued)  # a record queued at publish leaves this index (acquire.lua)
@@ -277,7 +285,7 @@ class LeaseStore:
         if outcome not in OUTCOMES:
             raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
                              f"expected one of {OUTCOMES}")
-        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+        key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
         if outcome == "retry":  # the hand-over to the next attempt (hand_over.lua)
             if write is not None:
                 raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
@@ -318,7 +326,7 @@ class LeaseStore:
         ``owner``/``token``: the caller's own lease, whose execution is being
         discarded or terminated; it is revoked even though it is live.
         """
-        key, shard = self.keys.record(task_id), self.keys.shard_for(task_id)
+        key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
         reply = self.calls.run(
             scripts.revoke, [key, shard.deadlines, shard.stats, self.keys.message(task_id)],
             [task_id, 1 if expired else 0, ms(self.retention), owner, int(token or 0), name],
@@ -341,7 +349,7 @@ class LeaseStore:
 
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""
-        key = self.keys.record(task_id)
+        key = self.keys.record(one_task(task_id))
         reply = self.calls.run(scripts.progress, (key, self.keys.shard_for(task_id).deadlines),
                           (task_id, owner, int(token)), f"task {task_id}, key {key}")
         raise_if_corrupt(reply, f"progress of task {task_id}")
@@ -396,7 +404,7 @@ class LeaseStore:
         an earlier owner). Raises LeaseLost when the caller no longer owns the
         lease, so a stale owner never marks a step done for its successor.
         """
-        key = self.keys.record(task_id)
+        key = self.keys.record(one_task(task_id))
         reply = self.calls.run(
             scripts.complete_step, (key,), (owner, int(token), step),
             f"task {task_id}, step {step!r}, key {key}")
@@ -409,7 +417,7 @@ class LeaseStore:
 
     def completed_steps(self, task_id: str) -> dict[str, int]:
         """Once-only steps recorded for ``task_id``: step name -> token of the owner that recorded it."""
-        key = self.keys.record(task_id)
+        key = self.keys.record(one_task(task_id))
         raw = self.calls.read(lambda: self.client.hgetall(key), f"reading {key} of task {task_id}")
         try:
             return {k.decode()[5:]: int(v) for k, v in raw.items() if k.startswith(b"step:")}
@@ -421,7 +429,7 @@ class LeaseStore:
     def get(self, task_id: str) -> LeaseRecord | None:
         """The lease record of ``task_id``, or None when there is none; TypeError for an
         id no record can have (not a non-empty UTF-8 str), as for every call about one task."""
-        key = self.keys.record(task_id)
+        key = self.keys.record(one_task(task_id))
 
         def read() -> list:
             pipe = self.client.pipeline(transaction=False)
@@ -437,7 +445,7 @@ class LeaseStore:
 
     def check(self, task_id: str, owner: str, token: int) -> None:
         """Raise LeaseLost unless ``owner`` with ``token`` still holds ``task_id``'s lease."""
-        key = self.keys.record(task_id)
+        key = self.keys.record(one_task(task_id))
         state, current, current_owner = self.calls.read(
             lambda: self.client.hmget(key, "state", "token", "owner"),
             f"reading {key} of task {task_id}")
@@ -501,7 +509,7 @@ class LeaseStore:
 
         None when there is no record (or it was never acquired).
         """
-        key = self.keys.record(task_id)
+        key = self.keys.record(one_task(task_id))
         acquired_at = self.calls.read(lambda: self.client.hget(key, "acquired_at"),
                                  f"reading {key} of task {task_id}")
         if not acquired_at:
@@ -540,4 +548,4 @@ class LeaseStore:
 
     def reset_record(self, task_id: str) -> bool:
         """Delete ``task_id``'s record, message and deadline entry (admin.reset_record)."""
-        return admin.reset_record(self, task_id)
+        return admin.reset_record(self, one_task(task_id))

@@ -120,6 +120,23 @@ def test_a_call_about_a_task_refuses_an_id_no_record_can_have_naming_it(store, t
     assert store.client.keys(store.keys.record("*")) == [store.keys.record("t1").encode()]
 
 
+def test_an_empty_member_in_the_deadline_index_does_not_stop_a_recovery_pass(store):
+    # Given an expired lease, and an empty member (no task can have it) in its deadline
+    # index and in the queued index, written by something other than this protocol
+    acquire(store, "t1", A, ttl=SHORT)
+    shard = store.keys.shard_for("t1")
+    store.client.zadd(shard.deadlines, {"": 1})
+    store.client.zadd(shard.queued, {"": 1})
+    wait_out()
+    # When a recovery pass runs
+    published = []
+    report = store.recover(publish=lambda claim: published.append(claim.task_id))
+    # Then the expired lease is recovered all the same: only calls that name a task refuse
+    # such an id, not the passes over the store's own indexes
+    assert published == ["t1"] and report.recovered == 1, report
+    assert store.get("t1").state == "recovering"
+
+
 def test_a_key_of_the_wrong_type_is_a_corrupt_record_naming_the_key(store):
     # Given a string where t1's record hash should be
     key = store.keys.record("t1")
