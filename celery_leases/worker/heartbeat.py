@@ -29,7 +29,7 @@ from typing import Any, Callable
 from ..protocol.codes import Code
 from ..protocol.store import LeaseStore
 from ..signals import heartbeat_ticked, leases_renewed
-from .loop import LOOP_STALL_FLOOR, LoopWatch, may_start_without_loop
+from .loop import LOOP_STALL_FLOOR, LOOP_WEDGED_AFTER, LoopWatch, may_start_without_loop
 from .outage import Outage
 
 logger = logging.getLogger("celery_leases.heartbeat")
@@ -97,6 +97,8 @@ class Heartbeat:
         self.loop = loop
         #: Leases left unrenewed at the last tick because the loop stalled (logged once per stall).
         self.unrenewed_for_loop = 0
+        #: The longest stall seen while the loop counts as wedged (LOOP_WEDGED_AFTER), else 0.
+        self.loop_wedged_for = 0.0
         #: Set by add() when a new lease needs a renewal sooner than the current wait.
         self._retick = False
         self._stop = threading.Event()
@@ -273,6 +275,17 @@ class Heartbeat:
         return marked
 
     def _loop_stall(self, stalled: float, waiting: int) -> None:
+        if stalled > LOOP_WEDGED_AFTER:
+            if not self.loop_wedged_for:
+                logger.warning("celery-leases: the worker's event loop has not run for %.1fs: this worker "
+                               "receives, starts and acknowledges no message until it does (a broker "
+                               "connection that hangs, or a wedged main thread; SIGUSR1 logs every "
+                               "thread's stack)", stalled)
+            self.loop_wedged_for = max(self.loop_wedged_for, stalled)
+        elif self.loop_wedged_for:
+            logger.warning("celery-leases: the worker's event loop runs again after a stall of at "
+                           "least %.1fs", self.loop_wedged_for)
+            self.loop_wedged_for = 0.0
         if waiting and not self.unrenewed_for_loop:
             logger.warning("celery-leases: the worker's event loop has not run for %.1fs: %d lease(s) of "
                            "tasks it has not started are no longer renewed, so that other workers take "

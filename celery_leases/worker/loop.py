@@ -26,6 +26,12 @@ from celery.worker.state import active_requests
 #: must not be given away for that.
 LOOP_STALL_FLOOR = 5.0
 
+#: A stall this long is taken for a wedged loop whatever the worker holds, and logged: an
+#: idle loop goes round at least every 10 s on any transport (kombu's hub polls for at most
+#: that long), and a worker whose loop hangs (kombu's read of a broker connection that
+#: never answers, a deadlock) would otherwise consume nothing without a word.
+LOOP_WEDGED_AFTER = 15.0
+
 
 class LoopWatch:
     """The time the event loop last went round (a ``hub.on_tick`` callback)."""

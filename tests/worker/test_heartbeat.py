@@ -131,3 +131,44 @@ def test_a_tick_is_one_renewal_call_whatever_marks_are_queued_and_the_marks_go_o
         wait_for(lambda: beat.ticks >= 3, 5, what="later ticks")
     finally:
         beat.stop()
+
+
+class _StalledLoop:
+    """The event loop's watch (worker/loop.py), its stall set by the test."""
+
+    runs_bodies = False
+
+    def __init__(self) -> None:
+        self.stalled = 0.0
+
+    def stalled_for(self) -> float:
+        return self.stalled
+
+
+def test_a_wedged_loop_is_logged_once_with_no_lease_held_and_again_when_it_runs(
+        redis_server_url, key_prefix, caplog):
+    # Given a heartbeat holding no lease, on a loop that goes round
+    from celery_leases.worker.loop import LOOP_WEDGED_AFTER
+    store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=30)
+    loop = _StalledLoop()
+    beat = Heartbeat(store, "w1", 10.0, lambda *a: None, loop=loop)  # type: ignore[arg-type]
+    caplog.set_level(logging.WARNING, logger="celery_leases.heartbeat")
+
+    def lines(text):
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    # When the loop stalls, first less than the wedge bound, then past it for three ticks
+    for stalled in (2.0, LOOP_WEDGED_AFTER - 1, LOOP_WEDGED_AFTER + 1, LOOP_WEDGED_AFTER + 5, 31.0):
+        loop.stalled = stalled
+        beat.tick()
+    # Then one WARNING says so, naming what the worker no longer does, although no lease waits
+    wedged = lines("receives, starts and acknowledges no message")
+    assert len(wedged) == 1 and f"{LOOP_WEDGED_AFTER + 1:.1f}s" in wedged[0]
+    assert not lines("lease(s) of tasks it has not started")
+    assert beat.loop_wedged_for == 31.0
+    # And when the loop goes round again, one line says so with the longest stall seen
+    for stalled in (0.3, 0.5):
+        loop.stalled = stalled
+        beat.tick()
+    assert lines("runs again after a stall of at least 31.0s") and len(lines("runs again")) == 1
+    assert beat.loop_wedged_for == 0.0

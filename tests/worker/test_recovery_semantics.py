@@ -239,9 +239,9 @@ def test_a_wedged_event_loop_gives_up_the_tasks_only_it_could_start(pool, celery
              what="W to acquire the prefetched leases")
     owner = store.get(short[0].id).owner
 
-    # When W's main thread, its event loop, is blocked for 16 s while its heartbeat thread and
+    # When W's main thread, its event loop, is blocked for 19 s while its heartbeat thread and
     # its pool run on, and another worker runs recovery meanwhile
-    app.control.broadcast("leases_test_wedge", arguments={"seconds": 16.0}, reply=False)
+    app.control.broadcast("leases_test_wedge", arguments={"seconds": 19.0}, reply=False)
     time.sleep(0.5)
     workers("other", {**env, "LEASES_TEST_WORKER_RECOVERY": "1"}, pool="threads", concurrency=2)
     if pool == "prefork":
@@ -257,11 +257,13 @@ def test_a_wedged_event_loop_gives_up_the_tasks_only_it_could_start(pool, celery
         # keep their leases, and run on W once its thread is free
         time.sleep(10.0)
         assert all(store.get(r.id).owner == owner for r in short)
+    # And W says, once the stall passed 15 s, that it consumes nothing, whatever leases wait
+    w.wait_for_log("receives, starts and acknowledges no message", 15)
     # And the long task kept its lease through the wedge; no body ran twice
     assert long.get(timeout=30) == "long"
     assert [r.get(timeout=30) for r in short] == [1, 2, 3]
-    wait_for(lambda: w.log().count("event loop runs again") >= (pool == "prefork"), 20,
-             what="W's loop to run again")
+    wait_for(lambda: "event loop runs again after a stall" in w.log(), 20, what="W's loop to run again")
+    assert w.log().count("event loop runs again") == 1 + (pool == "prefork")
     time.sleep(1.0)
     for r in [long, *short]:
         assert len(starts(history, r.id)) == 1, (r.id, starts(history, r.id))
