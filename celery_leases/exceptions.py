@@ -11,7 +11,12 @@ __all__ = [
 
 
 class LeaseError(Exception):
-    """Base of every error raised by celery-leases."""
+    """Base of every error raised by celery-leases.
+
+    An error with fields keeps them, not its text, as its ``args``: a result
+    backend stores ``args`` and rebuilds the error as ``cls(*args)`` for the
+    waiter, so the fields and the type come back, and the text does not double.
+    """
 
 
 class LeaseLost(LeaseError):
@@ -19,7 +24,10 @@ class LeaseLost(LeaseError):
 
     def __init__(self, task_id: str, token: int | None = None, reason: str = "lost"):
         self.task_id, self.token, self.reason = task_id, token, reason
-        super().__init__(f"lease of task {task_id} (token {token}) is {reason}")
+        super().__init__(task_id, token, reason)
+
+    def __str__(self) -> str:
+        return f"lease of task {self.task_id} (token {self.token}) is {self.reason}"
 
     def __reduce__(self):
         return (self.__class__, (self.task_id, self.token, self.reason))
@@ -30,8 +38,6 @@ class LeaseExpired(LeaseError):
 
     def __init__(self, task_id: str = "?", recoveries: int = 0):
         self.task_id, self.recoveries = task_id, recoveries
-        # The args are what a result backend stores and rebuilds the exception from
-        # (``LeaseExpired(*args)``): the fields, not the text, or the text doubles.
         super().__init__(task_id, recoveries)
 
     def __str__(self) -> str:
@@ -54,11 +60,14 @@ class CorruptRecord(LeaseError):
     """
 
     def __init__(self, message: str = "", key: str = "", field: str = ""):
-        self.key, self.field = key, field
-        super().__init__(message)
+        self.message, self.key, self.field = message, key, field
+        super().__init__(message, key, field)
+
+    def __str__(self) -> str:
+        return self.message
 
     def __reduce__(self):
-        return (self.__class__, (str(self), self.key, self.field))
+        return (self.__class__, (self.message, self.key, self.field))
 
 
 class DeliveryParked(LeaseError):
@@ -70,9 +79,12 @@ class DeliveryParked(LeaseError):
 
     def __init__(self, task_id: str = "?", reason: str = "", key: str = "", field: str = ""):
         self.task_id, self.reason, self.key, self.field = task_id, reason, key, field
-        where = f" (key {key or '?'}, field {field or '?'})"
-        super().__init__(f"delivery of task {task_id} parked{where}: {reason}; "
-                         f"see `celery leases parked`, replay with `celery leases replay {task_id}`")
+        super().__init__(task_id, reason, key, field)
+
+    def __str__(self) -> str:
+        where = f" (key {self.key or '?'}, field {self.field or '?'})"
+        return (f"delivery of task {self.task_id} parked{where}: {self.reason}; see `celery leases "
+                f"parked`, replay with `celery leases replay {self.task_id}`")
 
     def __reduce__(self):
         return (self.__class__, (self.task_id, self.reason, self.key, self.field))
@@ -87,9 +99,11 @@ class StaleFence(LeaseError):
 
     def __init__(self, resource: str, token: int, current: int | None):
         self.resource, self.token, self.current = resource, token, current
-        super().__init__(
-            f"fenced write to {resource} with token {token} refused: "
-            f"token {current} was already accepted")
+        super().__init__(resource, token, current)
+
+    def __str__(self) -> str:
+        return (f"fenced write to {self.resource} with token {self.token} refused: "
+                f"token {self.current} was already accepted")
 
     def __reduce__(self):
         return (self.__class__, (self.resource, self.token, self.current))
