@@ -261,6 +261,15 @@ class LeasedTask(Task):
         except LeaseLost as exc:
             lease._lost = True
             refuse(self, lease.task_id, lease.token, outcome, exc.reason)
+        except LeaseError as exc:
+            # The store could not say whether this owner may finish (a corrupt record): the
+            # outcome is unverified, so nothing of it may leave the worker, as for a refused
+            # one. The lease is no longer renewed; recovery then meets the record and parks it.
+            lease._lost = True
+            worker = get_worker(self.app)
+            if worker is not None:
+                worker.forget(lease.task_id, lease.token)
+            refuse(self, lease.task_id, lease.token, outcome, f"unverifiable: {exc}")
         if kept is not None:
             confirmed.kept_for(store, lease.task_id)
 

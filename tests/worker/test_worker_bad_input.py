@@ -58,3 +58,45 @@ def test_store_down_when_a_task_arrives_it_is_not_run_and_not_lost(celery_env, s
         app.close()
     finally:
         lease_redis.stop()
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_record_corrupted_under_a_running_task_lets_no_outcome_out_and_parks_it_once(
+        pool, celery_env, start_worker, client_app, history):
+    # Given a leased task running on a worker that also runs recovery, with a callback and an errback
+    import redis as redis_py
+    from celery_leases import CorruptRecord, DeliveryParked
+    from tests.support.workers import starts
+    start_worker("w", pool=pool, LEASES_TEST_WORKER_RECOVERY="1")
+    store = celery_leases.store(client_app)
+    tasks = client_app.tasks
+    note = tasks[f"{TASKS}.note_callback"]
+    r = tasks[f"{TASKS}.sleep_then_echo"].apply_async(
+        ("v", 1.5), link=note.si("called back"), link_error=note.si("errback"))
+    deadline = time.monotonic() + 30
+    while not starts(history, r.id):
+        assert time.monotonic() < deadline, "the task did not start"
+        time.sleep(0.05)
+    # When its lease record is corrupted while the body runs (a token no script can read)
+    redis_py.Redis.from_url(client_app.conf.leases_redis_url).hset(store.keys.record(r.id), "token", "x")
+    # Then the body's outcome never reaches the backend (nothing the store could not verify
+    # may leave the worker) and no callback runs for it; recovery parks the task instead,
+    # which its waiter learns once, naming the key and field
+    seen = []
+    while time.monotonic() < deadline:
+        meta = client_app.backend.get_task_meta(r.id)
+        seen.append((meta["status"], type(meta["result"]).__name__))
+        if meta["status"] == "FAILURE":
+            break
+        time.sleep(0.1)
+    assert ("FAILURE", "DeliveryParked") in seen and ("SUCCESS", "str") not in seen, seen
+    assert not any(kind == CorruptRecord.__name__ for _, kind in seen), seen
+    with pytest.raises(DeliveryParked) as parked:
+        r.get(timeout=5)
+    assert parked.value.task_id == r.id and parked.value.field == "token"
+    assert parked.value.key == store.keys.record(r.id)
+    time.sleep(2.0)  # a second errback, or a late callback, would have come by now
+    callbacks = [h[3]["value"] for h in history() if h[0] == "callback"]
+    assert callbacks == ["errback"], callbacks
+    assert len(starts(history, r.id)) == 1
+    assert client_app.backend.get_task_meta(r.id)["status"] == "FAILURE"
