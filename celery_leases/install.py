@@ -4,12 +4,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery import Task
 from celery.signals import beat_init
 
-from .config import LeaseConfig, client_config, get_config, validate_pending
+from .config import LeaseConfig, client_config, forget_config, get_config, validate_pending
 from .exceptions import ConfigurationError, LeaseError
 from .protocol.store import LeaseStore
-from .runtime import get_store, on_new_store
+from .runtime import get_store, has_store, on_new_store
 from .signals import recovery_pass
 from . import results, tracking
 from .task import LeasedTask
@@ -28,14 +29,26 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     """Add the worker bootstep, the signal hooks, the recovery task and its beat entry.
 
     ``settings`` are ``leases_*`` settings without the prefix (``ttl=10``),
-    written into ``app.conf``. ``all_tasks=True`` makes every task defined on
-    ``app`` after this call a LeasedTask (tasks defined before keep their class;
-    for those use ``base=LeasedTask`` or ``Celery(task_cls=...)``).
+    written into ``app.conf``. ``all_tasks=True`` makes every task whose class
+    Celery builds after this call a LeasedTask: the tasks defined later, and
+    those defined earlier that the app has not finalized yet (Celery builds a
+    task's class when the app is finalized). The recovery task never is one.
+
+    A second call installs nothing twice; its settings and ``all_tasks`` are
+    applied as a first call's would be, so a call that asks for them is never
+    ignored.
     """
-    if getattr(app, "_celery_leases_installed", False):
+    installed = getattr(app, "_celery_leases_installed", False)
+    if installed and not (settings or all_tasks):
         return app
     if settings:
+        if installed and has_store(app):
+            raise ConfigurationError(
+                f"install(app) was called again with {', '.join(f'leases_{k}' for k in settings)} "
+                f"after this process built the lease store from the earlier settings; give every "
+                f"setting to the first install(app, ...) or set it in app.conf before the app is used")
         app.conf.update({f"leases_{key}": value for key, value in settings.items()})
+        forget_config(app)
     # A broken setting a publisher uses fails here, named; worker-only settings
     # (and the rest) are checked when a worker starts (startup.py), so a web
     # tier's ``import proj`` never fails on them.
@@ -43,18 +56,23 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         client_config(app)
     else:
         validate_pending(app)
+    task_base = app.Task
+    if all_tasks and not issubclass(task_base, LeasedTask):
+        app.Task = type("LeasedAppTask", (LeasedTask, task_base), {"__module__": __name__})
+    if installed:
+        return app
     tracking.install(app)
     on_new_store(results.attach)
     app.steps["worker"].update((LeaseStep, HeartbeatStep, RecoveryStep))
     app.steps["consumer"].add(LeaseConsumerStep)
-    if all_tasks:
-        base = app.Task
-        if not issubclass(base, LeasedTask):
-            app.Task = type("LeasedAppTask", (LeasedTask, base), {"__module__": __name__})
 
     outage = Outage(logging.getLogger("celery_leases.recovery"), "celery-leases: recovery task")
 
-    @app.task(name=RECOVER_TASK_NAME, shared=False, ignore_result=True)
+    # Never a LeasedTask, whatever all_tasks says: a pass is safe to run twice and to
+    # crash at any point, and a lease per beat tick would only add records.
+    base = task_base if not issubclass(task_base, LeasedTask) else Task
+
+    @app.task(name=RECOVER_TASK_NAME, base=base, shared=False, ignore_result=True)
     def recover() -> dict:
         """One recovery pass (skipped when another recoverer ran one within the interval).
 

@@ -62,6 +62,12 @@ def get_store(app: Any) -> LeaseStore:
     return entry[1]
 
 
+def has_store(app: Any) -> bool:
+    """True once this process built ``app``'s LeaseStore (from the settings of that moment)."""
+    entry = _stores.get(app)
+    return entry is not None and entry[0] == os.getpid()
+
+
 def set_worker(app: Any, worker: Any) -> None:
     if worker is None:
         _workers.pop(app, None)

@@ -167,6 +167,11 @@ def client_config(app: Any, **overrides: Any) -> LeaseConfig:
     return config
 
 
+def forget_config(app: Any) -> None:
+    """Drop the app's built LeaseConfig: its settings changed (a second ``install(app, ...)``)."""
+    _configs.pop(app, None)
+
+
 def build_config(app: Any, **overrides: Any) -> LeaseConfig:
     """Build the config; client-side errors raise, worker-side ones are kept in ``worker_errors``."""
     namespace = getattr(app, "namespace", None)

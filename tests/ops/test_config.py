@@ -219,6 +219,67 @@ def test_all_tasks_makes_later_tasks_leased():
 
     assert isinstance(app.tasks[later.name], LeasedTask)
     assert "celery_leases.recover" in app.tasks
+    # The recovery task is never leased: a pass may run twice or crash anywhere
+    assert not isinstance(app.tasks["celery_leases.recover"], LeasedTask)
+
+
+def test_all_tasks_leases_a_task_defined_before_the_call_that_the_app_has_not_built_yet():
+    # Given a task decorated before install() on an app not finalized yet (Celery builds a
+    # task's class when the app is finalized), and one on an app already finalized
+    pending_app, built_app = make_app(), make_app()
+
+    @pending_app.task(name="cfg.pending")
+    def pending():
+        return 1
+
+    @built_app.task(name="cfg.built")
+    def built():
+        return 2
+
+    built_app.finalize()
+    # When every task of each app is leased from here on
+    celery_leases.install(pending_app, all_tasks=True)
+    celery_leases.install(built_app, all_tasks=True)
+    # Then the pending one is built leased; the one already built keeps its class
+    assert isinstance(pending_app.tasks["cfg.pending"], LeasedTask)
+    assert not isinstance(built_app.tasks["cfg.built"], LeasedTask)
+
+
+@pytest.mark.parametrize("second", [dict(all_tasks=True), dict(all_tasks=True, ttl=7)])
+def test_a_second_install_applies_what_it_asks_for_and_installs_nothing_twice(second):
+    # Given an app installed once without options (a shared module's install(app))
+    app = make_app()
+    celery_leases.install(app)
+    steps = set(app.steps["worker"])
+    beat = dict(app.conf.beat_schedule or {})
+    # When the project installs it again asking for every task leased (and a setting)
+    celery_leases.install(app, **second)
+
+    @app.task(name=f"cfg.later{len(second)}")
+    def later():
+        return 1
+
+    # Then what it asked for holds, and no hook or task was added twice
+    assert isinstance(app.tasks[later.name], LeasedTask)
+    if "ttl" in second:
+        assert app.conf.leases_ttl == 7 and get_config(app).ttl == 7
+    assert set(app.steps["worker"]) == steps and dict(app.conf.beat_schedule or {}) == beat
+    assert not isinstance(app.tasks["celery_leases.recover"], LeasedTask)
+
+
+def test_a_second_install_with_settings_after_the_store_was_built_is_refused_naming_them():
+    # Given an installed app whose lease store this process already built
+    app = make_app()
+    celery_leases.install(app, ttl=5)
+    celery_leases.store(app)
+    # When a later install asks for other settings, Then it is refused, naming them (the
+    # store already uses the first ones), and the settings are left as they were
+    with pytest.raises(ConfigurationError) as refused:
+        celery_leases.install(app, ttl=9, key_prefix="other")
+    assert "leases_ttl, leases_key_prefix" in str(refused.value)
+    assert app.conf.leases_ttl == 5
+    # And a second install without settings is still a no-op
+    assert celery_leases.install(app) is app
 
 
 @pytest.mark.parametrize("settings", [{"leases_worker_recovery": False}, {"leases_beat_schedule": True}])
