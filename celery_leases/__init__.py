@@ -51,6 +51,9 @@ _WHERE = {
                      "delivery_parked", "callbacks_failed"], ".signals"),
 }
 
+#: Documented modules reachable as attributes of the package without their own import.
+_SUBPACKAGES = frozenset({"config", "protocol", "testing"})
+
 __all__ = [
     "install", "store", "LeasedTask", "Code", "LeaseStore", "LeaseRecord", "Acquisition",
     "Claim", "RecoveryReport", "Parked", "LeaseError", "LeaseLost", "LeaseExpired", "LeaseUnavailable",
@@ -65,6 +68,9 @@ def __getattr__(name: str) -> Any:
     """Load a public name from its module on first use, then keep it here."""
     where = _WHERE.get(name)
     if where is None:
+        if name in _SUBPACKAGES:
+            # ``import celery_leases`` then ``celery_leases.config.get_config(app)``, as documented.
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(where, __name__), name)
     globals()[name] = value

@@ -148,6 +148,11 @@ class LeasedTask(Task):
         tracing.run_started(self, lease)   # returns at once unless tracing.enable() was called
         try:
             retval = super().__call__(*args, **kwargs)
+        except StaleOutcome:
+            # Refused or withheld already (a retry's or replace's hand-over, in the body): that
+            # outcome is settled; finishing again as "succeeded" would finish a task that never
+            # returned, and a withheld hand-over must leave the lease for recovery.
+            raise
         except Retry:
             if not lease.handed_over:
                 self._finish(lease, "retry", next_attempt=(request.retries or 0) + 1)

@@ -25,7 +25,8 @@ from . import doctor, maintenance, show
 @click.group(name="leases")
 @click.pass_context
 def leases(ctx: click.Context, **kwargs: Any) -> None:
-    """Inspect and maintain the leases of the app (-A): ls, show, stats, top, doctor, recover, purge."""
+    """Inspect and maintain the leases of the app (-A): ls, show, stats, top, doctor, recover,
+    parked, replay, purge."""
 
 
 # ``leases ls/show/stats/top/doctor`` read; ``leases recover/purge/parked/replay`` change the store.

@@ -53,6 +53,14 @@ def test_show_help_lists_task_id_as_an_argument(cli):
     assert "TASK_ID" not in options
 
 
+def test_the_group_help_names_every_command_in_its_summary(cli):
+    from celery_leases.cli import leases
+    out = ok(cli("--help"))
+    summary = out.split("Options:")[0]
+    missing = [name for name in leases.commands if name not in summary]
+    assert not missing, (missing, summary)
+
+
 def test_stats_without_the_scan_says_not_counted(cli, store):
     store.acquire("live", "w", ttl=60, name=f"{TASKS}.add")
     finished(store, "done")

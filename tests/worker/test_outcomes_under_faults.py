@@ -232,3 +232,49 @@ def test_a_main_process_outcome_whose_reply_was_lost_is_settled_too(
     log = worker.log()
     assert "no answer to the finish" in log and "settled by copy" in log
     assert "refused" not in log
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("step", ["retry", "replace"])
+def test_a_hand_over_withheld_in_a_store_outage_leaves_the_task_to_recovery_never_finished(
+        pool, step, celery_env, start_worker, history, redis_server_url, tmp_path):
+    # Given a lease store on its own Redis, a worker without recovery, and a task that retries
+    # itself (or is replaced) once its body has run 1 s
+    import signal as signals
+    import celery_leases
+    from celery_leases.testing import wait_for
+    from celery_leases.testing.servers import RedisServer
+    from tests.support.apps.leased_app import create_app
+    from tests.support.workers import starts
+    lease_redis = RedisServer(dir=tmp_path).start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url,
+               "LEASES_TEST_HISTORY_URL": redis_server_url}
+        app = create_app(env)
+        store = celery_leases.store(app)
+        worker = start_worker("w", pool=pool, **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        r = app.tasks["tests.support.apps.leased_app.retry_or_replace_after"].delay(step, 1.0)
+        wait_for(lambda: starts(history, r.id), 30, what="the first run to start")
+        # When the store stops answering before the hand-over, until the worker withholds it
+        os.kill(lease_redis.process.pid, signals.SIGSTOP)
+        try:
+            worker.wait_for_log("outcome 'retry' of token", 30)
+        finally:
+            os.kill(lease_redis.process.pid, signals.SIGCONT)
+        # Then the lease was not finished under that token (the task never returned), and
+        # only one refusal was logged for it
+        time.sleep(1.0)
+        record = store.get(r.id)
+        assert record.state not in ("succeeded", "failed"), record
+        assert worker.log().count(f"[{r.id}]: outcome ") == 1, worker.log()
+        # And recovery re-runs it once its lease expires: the waiter gets its result
+        deadline = time.monotonic() + 30
+        while app.backend.get_task_meta(r.id)["status"] != "SUCCESS":
+            assert time.monotonic() < deadline, (store.get(r.id), history())
+            store.recover()
+            time.sleep(0.5)
+        assert r.get(timeout=10) == 3
+        assert store.get(r.id).state == "succeeded" and store.get(r.id).recoveries == 1
+        app.close()
+    finally:
+        lease_redis.stop()

@@ -104,6 +104,20 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return value
 
 
+    @app.task(base=LeasedTask, bind=True, max_retries=3, shared=False)
+    def retry_or_replace_after(self, step, seconds):
+        """Its first run waits ``seconds`` (a window for a fault), then retries itself or is
+        replaced by ``add(1, 2)``; a later run (or the replacement) returns 3."""
+        record("start", self.request.id, token=self.lease.token, retries=self.request.retries)
+        if self.request.retries:
+            return 3
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        if step == "retry":
+            raise self.retry(countdown=0.2)
+        raise self.replace(add.si(1, 2))
+
     @app.task(base=LeasedTask, bind=True, max_retries=5, shared=False)
     def retry_twice(self):
         record("start", self.request.id, token=self.lease.token, retries=self.request.retries)
