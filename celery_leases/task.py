@@ -159,9 +159,16 @@ class LeasedTask(Task):
             raise
         except Reject as exc:
             if exc.requeue:
-                # The requeued copy must be able to take the lease at once.
-                self._store_call(lambda: lease.store.release(lease.owner, {lease.task_id: lease.token},
-                                                             unstarted=True), lease)
+                # The requeued copy must be able to take the lease at once. Unconfirmed, the
+                # Reject still stands: the copy is refused while the lease lives, and the
+                # lease, no longer renewed, expires for recovery to re-run the task.
+                try:
+                    self._store_call(lambda: lease.store.release(
+                        lease.owner, {lease.task_id: lease.token}, unstarted=True), lease)
+                except LeaseError as error:
+                    logger.warning("task %s[%s]: lease (token %s) not released for its requeued copy "
+                                   "(%s); recovery re-runs the task once the lease expires",
+                                   self.name, lease.task_id, lease.token, error)
             else:
                 self._finish(lease, "failed")
             raise

@@ -278,3 +278,43 @@ def test_a_hand_over_withheld_in_a_store_outage_leaves_the_task_to_recovery_neve
         app.close()
     finally:
         lease_redis.stop()
+
+
+def test_a_requeue_whose_release_is_unconfirmed_stays_a_reject_and_recovery_runs_the_task(
+        celery_env, start_worker, history, redis_server_url, tmp_path):
+    # Given a lease store on its own Redis, an acks_late worker without recovery, and a task
+    # that rejects its message with requeue once its body has run 1 s
+    import signal as signals
+    from tests.support.apps.leased_app import create_app
+    from tests.support.workers import starts
+    lease_redis = RedisServer(dir=tmp_path).start()
+    try:
+        env = {**celery_env, "LEASES_TEST_LEASES_URL": lease_redis.url,
+               "LEASES_TEST_HISTORY_URL": redis_server_url, "LEASES_TEST_ACKS_LATE": "1"}
+        app = create_app(env)
+        store = celery_leases.store(app)
+        worker = start_worker("w", pool="threads", **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")})
+        r = app.tasks["tests.support.apps.leased_app.reject_requeue_after"].delay(1.0)
+        wait_for(lambda: starts(history, r.id), 30, what="the first run to start")
+        # When the store stops answering before the release that lets the requeued copy in
+        os.kill(lease_redis.process.pid, signals.SIGSTOP)
+        try:
+            wait_for(lambda: "not released for its requeued copy" in worker.log()
+                     or app.backend.get_task_meta(r.id)["status"] != "PENDING", 30,
+                     what="the release to fail")
+        finally:
+            os.kill(lease_redis.process.pid, signals.SIGCONT)
+        # Then the Reject stood (no failure stored, the waiter still waits), and recovery runs
+        # the task once the lease, no longer renewed, expires
+        assert app.backend.get_task_meta(r.id)["status"] == "PENDING", app.backend.get_task_meta(r.id)
+        assert "not released for its requeued copy" in worker.log()
+        deadline = time.monotonic() + 30
+        while app.backend.get_task_meta(r.id)["status"] == "PENDING":
+            assert time.monotonic() < deadline, (store.get(r.id), history())
+            store.recover()
+            time.sleep(0.5)
+        assert r.get(timeout=10) == "again"
+        assert len(starts(history, r.id)) == 2
+        app.close()
+    finally:
+        lease_redis.stop()

@@ -21,6 +21,7 @@ import time
 from typing import Mapping
 
 from celery import Celery
+from celery.exceptions import Reject
 from celery.worker.control import control_command
 
 import celery_leases
@@ -117,6 +118,18 @@ def create_app(env: Mapping[str, str]) -> Celery:
         if step == "retry":
             raise self.retry(countdown=0.2)
         raise self.replace(add.si(1, 2))
+
+    @app.task(base=LeasedTask, bind=True, shared=False)
+    def reject_requeue_after(self, seconds):
+        """Its first run waits ``seconds`` (a window for a fault), then rejects its message
+        with requeue; a later run returns "again"."""
+        record("start", self.request.id, token=self.lease.token)
+        if sink.incr(f"{prefix}:rejected:{self.request.id}") > 1:
+            return "again"
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise Reject("requeued by the test", requeue=True)
 
     @app.task(base=LeasedTask, bind=True, max_retries=5, shared=False)
     def retry_twice(self):
