@@ -109,6 +109,23 @@ def test_start_marks_ride_along_only_on_leases_their_owner_holds(store, redis_cl
     assert int(store.stats()["started"]) == before + 2
 
 
+@pytest.mark.parametrize("corrupt", ["list", "not-a-number"])
+def test_start_marks_with_a_corrupt_stats_key_mark_and_acquire_all_the_same(store, redis_client, corrupt):
+    # Given a lease of w, and the shard's stats key of the wrong type (or its counter not a number)
+    acq = store.acquire("m", "w")
+    redis_client.delete(store.keys.stats)
+    if corrupt == "list":
+        redis_client.rpush(store.keys.stats, "not", "a", "hash")
+    else:
+        redis_client.hset(store.keys.stats, "started", "12x")
+    # When its start mark rides along with the next acquire, and then goes alone
+    results, marked = store.acquire_many([call("n")], owner="w", starts={"m": acq.token})
+    alone = store.mark_started("w", {"m": acq.token})
+    # Then the mark and the acquire are made; counters are best effort (prelude's count())
+    assert results[0].code is Code.ACQUIRED and marked == 1 and alone == 1
+    assert redis_client.hget(store.keys.record("m"), "started") == b"1"
+
+
 def test_a_stale_token_is_not_marked(store, redis_client):
     acq = store.acquire("m", "w")
     _, marked = store.acquire_many([call("n")], owner="w", starts={"m": acq.token - 1})

@@ -244,7 +244,7 @@ local function mark_starts(stats, keys, from, owner, tokens, at)
       marked = marked + 1
     end
   end
-  if marked > 0 then redis.call('HINCRBY', stats, 'started', marked) end
+  if marked > 0 then count(stats, 'started', marked) end
   return marked
 end
 
