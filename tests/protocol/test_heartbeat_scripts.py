@@ -133,6 +133,22 @@ def test_progress_timeout_stalls_a_renewed_lease_and_makes_it_claimable(store):
         store.finish("t1", A, acq.token, "succeeded")
 
 
+def test_the_progress_timeout_runs_from_the_start_mark_not_from_the_acquire(store):
+    # Given a lease with a 0.1 s progress timeout whose body has not started (prefetched)
+    acq = acquire(store, "t1", A, ttl=TTL, progress_timeout=SHORT, started=False)
+    assert store.get("t1").progress_deadline == 0
+    # When it waits past the timeout, renewed by a heartbeat that enforces progress
+    wait_out()
+    # Then it keeps its lease: the timeout bounds a running body, not the wait before it
+    assert store.renew_many(A, {"t1": acq.token}, check_progress=True) == {}
+    # And once its start mark says the body started, the timeout runs from the mark
+    before = store.server_time_ms()
+    assert store.mark_started(A, {"t1": acq.token}) == 1
+    assert store.get("t1").progress_deadline >= before + int(SHORT * 1000)
+    wait_out()
+    assert store.renew_many(A, {"t1": acq.token}, check_progress=True) == {"t1": Code.STALLED}
+
+
 def test_progress_keeps_a_lease_with_a_progress_timeout(store):
     # Given a lease with a 0.3 s progress timeout
     acq = acquire(store, "t1", A, progress_timeout=0.3)

@@ -222,6 +222,25 @@ def test_expired_recovered_copy_ends_the_lease_and_stale_owner_is_refused(client
     assert store.get(result.id).state == "revoked"
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_task_with_a_progress_timeout_waits_behind_a_busy_slot_without_losing_its_lease(
+        pool, client_app, start_worker, history):
+    # Given a worker with one slot, busy for 4 s, and a task with a 1 s progress timeout
+    # prefetched behind it (its lease taken at receipt)
+    worker = start_worker("a", pool=pool, concurrency=1, LEASES_TEST_PREFETCH="4",
+                          LEASES_TEST_WORKER_RECOVERY="1")
+    head = client_app.signature(f"{TASKS}.sleep_then_echo", ("head", 4.0)).delay()
+    wait_for(lambda: starts(history, head.id), 30, what="the head task to start")
+    steady = client_app.signature(f"{TASKS}.steady", (5,)).delay()
+    # When it waits four times its progress timeout to start, Then it keeps its lease, runs
+    # once when the slot frees, and finishes: the timeout bounds the body, not the wait
+    assert head.get(timeout=30) == "head" and steady.get(timeout=30) == "steady"
+    record = celery_leases.store(client_app).get(steady.id)
+    assert len(starts(history, steady.id)) == 1
+    assert (record.state, record.recoveries, record.unstarted_recoveries) == ("succeeded", 0, 0), record
+    assert "no progress within" not in worker.log()
+
+
 def test_on_lost_terminate_kills_a_stuck_task(client_app, start_worker, history):
     # Given leases_on_lost='terminate' and a task that stops reporting progress
     worker = start_worker("a", LEASES_TEST_TTL="10", LEASES_TEST_ON_LOST="terminate")

@@ -210,8 +210,10 @@ end
 
 local function activate(key, deadlines, stats, message, l, extra)
   local tok = string.format('%d', l.token)
+  -- The progress timeout bounds a running body: it starts with the start mark (mark_starts),
+  -- not at receipt, where a prefetched task may wait longer than it to start.
   local progress_deadline = 0
-  if l.progress_timeout > 0 then progress_deadline = l.now + l.progress_timeout end
+  if l.progress_timeout > 0 and l.started == '1' then progress_deadline = l.now + l.progress_timeout end
   local fields = {
     'task_id', l.task_id, 'state', 'active', 'token', tok, 'owner', l.owner,
     'holder', tok .. '@' .. l.owner, 'ttl', l.ttl, 'generation', l.generation,
@@ -236,11 +238,19 @@ end
 local function mark_starts(stats, keys, from, owner, tokens, at)
   local suffix = '@' .. owner
   local marked = 0
+  local now
   for k = from, #keys do
     local key = keys[k]
-    local holder = wrongtype(key, redis.pcall('HGET', key, 'holder'))
-    if holder == tokens[at + k - from] .. suffix then
-      redis.call('HSET', key, 'started', '1')
+    local v = wrongtype(key, redis.pcall('HMGET', key, 'holder', 'progress_timeout', 'progress_deadline'))
+    if v[1] == tokens[at + k - from] .. suffix then
+      local progress_timeout = whole(v[2]) or 0
+      if progress_timeout > 0 and (whole(v[3]) or 0) == 0 then
+        -- The body started: its progress timeout runs from now (activate leaves it unset).
+        now = now or now_ms()
+        redis.call('HSET', key, 'started', '1', 'progress_deadline', now + progress_timeout)
+      else
+        redis.call('HSET', key, 'started', '1')
+      end
       marked = marked + 1
     end
   end

@@ -7,7 +7,9 @@
   take-over): tasks a dead worker had prefetched but never ran are not charged
   for its death. The worker's heartbeat thread sends here, a few at a time,
   the marks that did not ride along with an acquire (acquire_many.lua), shortly
-  after the pool started the tasks.
+  after the pool started the tasks. A lease with a progress timeout gets its
+  progress deadline here (now + progress timeout, unless a progress call set
+  one already): the timeout bounds a running body, not the wait before it.
 
   Input:
     KEYS[1] stats hash (counts the marks, field started)

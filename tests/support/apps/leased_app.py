@@ -172,6 +172,15 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return "finished"
 
 
+    @app.task(base=LeasedTask, bind=True, lease_progress_timeout=1.0, shared=False)
+    def steady(self, beats=5):
+        """Reports progress `beats` times, 0.2 s apart, well within its 1 s progress timeout."""
+        record("start", self.request.id, token=self.lease.token)
+        for _ in range(beats):
+            self.lease.heartbeat()
+            time.sleep(0.2)
+        return "steady"
+
     @app.task(bind=True, shared=False)
     def plain_sleep(self, value, seconds=0.0):
         record("start", self.request.id)
