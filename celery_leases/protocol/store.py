@@ -375,7 +375,8 @@ class LeaseStore:
 
     def park(self, task_id: str, reason: str, *, name: str = "", body: bytes = b"",
              envelope: Mapping | None = None, key: str = "", field: str = "") -> None:
-        """Keep a delivery that must not run (see park.lua); the lease record is not touched.
+        """Keep a delivery that must not run (see park.lua), and take it out of publish tracking
+        (its queued index); the lease record is not touched.
 
         ``key`` and ``field`` name what was corrupt, when the cause is a key.
         """
@@ -386,6 +387,11 @@ class LeaseStore:
              ms(self.parked_retention), int(self.parked_cap)),
             f"parking task {task_id}")
         raise_if_corrupt(reply, f"parking task {task_id}")
+        # A parked delivery leaves publish tracking: recovery must not re-publish, from the
+        # record taken at publish, a task parked so as not to run. A command of its own,
+        # since the task's queued index lives in its shard's slot, not the parking keys' one.
+        queued = keys.shard_for(task_id).queued
+        self.calls.read(lambda: self.client.zrem(queued, task_id), f"dropping task {task_id} from {queued}")
         if int(reply[1]):
             logger.warning("parking task %s dropped %d older parked deliveries of %s "
                            "(kept: %d at most, for %ss)", task_id, int(reply[1]), keys.parked,

@@ -395,3 +395,29 @@ def test_requeue_delay_doubles_up_to_its_cap():
     assert [requeue_delay(5, 300, n) for n in range(9)] == [5, 10, 20, 40, 80, 160, 300, 300, 300]
     assert requeue_delay(600, 300, 0) == 600  # a cap below the base is the base
     assert requeue_delay(1, 60, 10_000) == 60
+
+
+@pytest.mark.parametrize("headers", [{"lease_generation": "abc"}, {"retries": "x"}], ids=lambda h: next(iter(h)))
+def test_a_parked_delivery_recorded_at_publish_is_never_re_published_by_recovery(
+        headers, celery_env, start_worker, history):
+    # Given publish tracking with a 1 s delivery timeout, a worker that runs recovery, and a
+    # task published through Celery (so recorded at publish) with a malformed header
+    from tests.support.apps.leased_app import create_app
+    env = {**celery_env, "LEASES_TEST_DELIVERY_TIMEOUT": "1"}
+    app = create_app(env)
+    store = celery_leases.store(app)
+    start_worker("a", pool="threads", **{k: v for k, v in env.items() if k.startswith("LEASES_TEST_")},
+                 LEASES_TEST_WORKER_RECOVERY="1")
+    r = app.tasks[f"{TASKS}.add"].apply_async((1, 2), headers=headers)
+    # When the worker parks it at receipt
+    with pytest.raises(DeliveryParked):
+        r.get(timeout=30)
+    # Then no recovery pass re-publishes it from its publish record in five delivery timeouts:
+    # it stays parked, never runs, and its waiter's answer stays DeliveryParked
+    time.sleep(5.0)
+    assert not [h for h in history() if h[0] == "start" and h[1] == r.id]
+    assert app.backend.get_task_meta(r.id)["status"] == "FAILURE"
+    assert isinstance(app.backend.get_task_meta(r.id)["result"], DeliveryParked)
+    assert store.parked_entry(r.id) is not None
+    assert r.id not in {m.decode() for m in store.client.zrange(store.keys.shard_for(r.id).queued, 0, -1)}
+    app.close()
