@@ -57,6 +57,21 @@ def test_renew_many_renews_every_lease_in_one_call_and_returns_the_lost_ones(
     client.close()
 
 
+def test_a_renewal_racing_the_owners_own_retry_hand_over_is_finished_not_lost(store):
+    # Given two leases of A: one A hands over to its next attempt (self.retry()), and one
+    # recovery took from A after it expired (both now recovering under A's token)
+    handed = acquire(store, "handed", A, ttl=TTL).token
+    store.finish("handed", A, handed, "retry", next_attempt=1)
+    taken = acquire(store, "taken", A, ttl=SHORT).token
+    wait_out()
+    assert [c.task_id for c in store.claim_expired()] == ["taken"]
+    # When A's heartbeat, not yet told of the hand-over, renews both
+    result = store.renew_many(A, {"handed": handed, "taken": taken}, ttl=TTL)
+    # Then the hand-over is nothing lost (its owner gave it up), the claimed one is lost
+    assert result == {"handed": Code.FINISHED, "taken": Code.LOST}
+    assert store.get("handed").state == "recovering"
+
+
 def test_renewal_keeps_a_lease_alive_past_its_original_ttl(store):
     # Given a lease with a 0.4 s ttl
     acq = acquire(store, "t1", A, ttl=0.4)

@@ -11,7 +11,9 @@
   the broker loses, or one stuck behind a backlog, is re-published by
   claim_undelivered.lua with its backoff. Idempotent for its owner and refused as LATE
   after ARGV[6], as finish.lua is. A holder of token T finding no record
-  re-asserts it first (reassert_record in the prelude).
+  re-asserts it first (reassert_record in the prelude). The record keeps the token it
+  was handed over under (handed_over), so a renewal of that token racing the worker's
+  forget is told FINISHED, not LOST (renew_many.lua): the owner gave it up.
 
   Input:
     KEYS[1] record hash of the task
@@ -61,7 +63,7 @@ if not_after > 0 and now > not_after then
 end
 bad = owner_guard(key, seq, stats, rec, current, task_id, owner, token, now)
 if bad then return bad end
-redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'attempt', next_attempt)
+redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'attempt', next_attempt, 'handed_over', token)
 redis.call('HDEL', key, 'holder')
 if timeout > 0 then
   redis.call('ZREM', deadlines, task_id)

@@ -22,7 +22,8 @@
   (a CORRUPT entry has a third element: the field and what is wrong with it), or
   {CORRUPT, key, field, detail} when the deadline index is not a sorted set
     LOST      the caller no longer owns this lease
-    FINISHED  the record is terminal under the caller's token (nothing to renew)
+    FINISHED  the record is terminal under the caller's token, or the caller handed it
+              over to its next attempt (a retry): nothing to renew, nothing lost
     MISSING   there is no record for this task id
     STALLED   the progress timeout passed: the lease was taken from the caller
     CORRUPT   the record is not what this protocol wrote (not a hash, an unknown or missing
@@ -80,11 +81,12 @@ for k = 3, #KEYS do
     bad_record = corrupt(key, 'state', 'is missing')
   else
     -- Not ours any more: find out why (rare, so the extra read is fine).
-    local current = redis.call('HGET', key, 'token')
+    local current, handed = unpack(redis.call('HMGET', key, 'token', 'handed_over'))
     local code = LOST
     if not v[2] then
       code = MISSING
-    elseif current == token and v[2] ~= 'active' and v[2] ~= 'recovering' then
+    elseif current == token and ((v[2] ~= 'active' and v[2] ~= 'recovering')
+                                 or (v[2] == 'recovering' and handed == token)) then
       code = FINISHED
     end
     table.insert(out, task_id); table.insert(out, code)
