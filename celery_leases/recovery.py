@@ -69,13 +69,23 @@ class Recoverer:
         self.mark_dead(claim.task_id, claim.recoveries, claim.body, claim.envelope, claim.name)
 
     def mark_dead(self, task_id: str, recoveries: int, body: bytes, envelope: dict, name: str = "") -> None:
-        """Store LeaseExpired as the task's result (waiters are released), signal, dead-letter."""
+        """Store LeaseExpired as the task's result (waiters are released), signal, keep the message
+        for ``replay`` (parked), dead-letter."""
         exc = LeaseExpired(task_id, recoveries)
         request = request_of(task_id, name, body, envelope)
         logger.error("task %s[%s] is dead: abandoned %d time(s), leases_max_recoveries reached",
                      name or request.task, task_id, recoveries)
         self.app.backend.mark_as_failure(task_id, exc, request=request)
         lease_dead.send(sender=self.app, task_id=task_id, recoveries=recoveries)
+        if self.store is not None and body:
+            # Kept for an operator, as a parked delivery is: `celery leases replay TASK_ID
+            # --reset-record` runs it again once its cause is fixed (the finish drops the message).
+            try:
+                self.store.park(task_id, f"dead: abandoned {recoveries} time(s), leases_max_recoveries "
+                                         f"reached", name=name or request.task, body=body, envelope=envelope)
+            except LeaseError as error:
+                logger.error("task %s: the dead task's message could not be kept for replay: %s",
+                             task_id, error)
         queue = client_config(self.app).dead_letter_queue
         if queue and body:
             headers = dict(envelope.get("headers") or {})

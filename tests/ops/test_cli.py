@@ -395,6 +395,27 @@ def test_replay_refuses_while_the_record_is_corrupt_and_reset_record_runs_it(
     assert store.parked_entry(task_id) is None
 
 
+def test_a_dead_task_is_kept_for_replay_and_reset_record_runs_it_again(cli, store, client_app, start_worker):
+    # Given a task that kills its own pool process the first time it runs, and no recovery to
+    # spare (leases_max_recoveries = 0): it goes dead, its waiter gets LeaseExpired
+    worker_env = dict(LEASES_TEST_MAX_RECOVERIES="0", LEASES_TEST_WORKER_RECOVERY="1")
+    start_worker("a", **worker_env)
+    result = client_app.signature(f"{TASKS}.kill_own_child").delay()
+    with pytest.raises(celery_leases.LeaseExpired):
+        result.get(timeout=30)
+    assert store.get(result.id).state == "dead"
+    # Then its message is kept, listed with the parked deliveries (the cause of death its reason)
+    entry = wait_for(lambda: store.parked_entry(result.id), 5, what="the dead task to be kept")
+    assert entry.reason.startswith("dead: abandoned") and entry.body_size > 0
+    # And a replay without --reset-record is refused, naming the way out
+    refused = cli("replay", result.id)
+    assert refused.returncode == 1 and "dead" in refused.stderr and "--reset-record" in refused.stderr
+    # When the operator replays it with --reset-record, Then it runs again under the same id
+    ok(cli("replay", result.id, "--reset-record"))
+    assert client_app.AsyncResult(result.id).get(timeout=30) == "survived"
+    assert store.get(result.id).state == "succeeded" and store.parked_entry(result.id) is None
+
+
 def test_replay_of_an_unknown_id_is_not_found(cli):
     result = cli("replay", "nope")
     assert result.returncode == 1 and "no parked delivery for task nope" in result.stderr
