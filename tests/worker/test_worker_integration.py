@@ -231,7 +231,7 @@ def test_a_task_with_a_progress_timeout_waits_behind_a_busy_slot_without_losing_
                           LEASES_TEST_WORKER_RECOVERY="1")
     head = client_app.signature(f"{TASKS}.sleep_then_echo", ("head", 4.0)).delay()
     wait_for(lambda: starts(history, head.id), 30, what="the head task to start")
-    steady = client_app.signature(f"{TASKS}.steady", (5,)).delay()
+    steady = client_app.signature(f"{TASKS}.stuck", (5, False)).delay()
     # When it waits four times its progress timeout to start, Then it keeps its lease, runs
     # once when the slot frees, and finishes: the timeout bounds the body, not the wait
     assert head.get(timeout=30) == "head" and steady.get(timeout=30) == "steady"
