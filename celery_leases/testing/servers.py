@@ -153,7 +153,7 @@ class RedisServer:
     # -- lifecycle ---------------------------------------------------------
 
     def start(self) -> "RedisServer":
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers and has loaded its data (AOF or RDB)."""
         if self.running:
             raise RedisServerError(f"redis-server already running on port {self.port}")
         # An auto-chosen port may be taken between probing and binding: retry.
@@ -270,8 +270,10 @@ class RedisServer:
                         f"--- {self.log_path} ---\n{self.read_log()}"
                     )
                 try:
-                    # Ours, not another server that took the port while ours was down.
-                    if probe.info("server").get("process_id") == self.process.pid:
+                    # Ours, not another server that took the port while ours was down, and
+                    # done loading its AOF or RDB: INFO answers while it loads, commands do not.
+                    if probe.info("server").get("process_id") == self.process.pid \
+                            and not probe.info("persistence").get("loading"):
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     pass
