@@ -270,18 +270,13 @@ class LeasedTask(Task):
 
         try:
             settle_finish(store, send, bound=ttl, task_id=lease.task_id, token=lease.token)
-        except LeaseLost as exc:
-            lease._lost = True
-            refuse(self, lease.task_id, lease.token, outcome, exc.reason)
         except LeaseError as exc:
-            # The store could not say whether this owner may finish (a corrupt record): the
-            # outcome is unverified, so nothing of it may leave the worker, as for a refused
-            # one. The lease is no longer renewed; recovery then meets the record and parks it.
+            # Refused, or not verifiable (a corrupt record): nothing of the outcome may leave
+            # the worker. The lease is forgotten when the request ends; recovery then re-runs
+            # the task, or meets the corrupt record and parks it.
             lease._lost = True
-            worker = get_worker(self.app)
-            if worker is not None:
-                worker.forget(lease.task_id, lease.token)
-            refuse(self, lease.task_id, lease.token, outcome, f"unverifiable: {exc}")
+            reason = exc.reason if isinstance(exc, LeaseLost) else f"unverifiable: {exc}"
+            refuse(self, lease.task_id, lease.token, outcome, reason)
         if kept is not None:
             confirmed.kept_for(store, lease.task_id)
 
