@@ -38,6 +38,8 @@ setup(
             "pytest-order",
             "pytest-subtests",
             "pydantic",
+            # tests/adversarial/test_poison_pills_shared.py: poison pills on a gevent worker.
+            "gevent",
         ],
         "docs": ["sphinx", "myst-parser", "pytest"],
         "prometheus": ["prometheus-client"],

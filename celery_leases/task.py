@@ -38,7 +38,7 @@ logger = logging.getLogger("celery_leases.task")
 # (Celery 5.7's push_request copies the request's __dict__ into a new Context,
 # whose custom headers are every key Context does not declare).
 for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable",
-              "_lease_handle", "lease_expires_at", "lease_publish", "lease_recorded"):
+              "_lease_handle", "lease_expires_at", "lease_publish", "lease_recorded", "lease_isolate"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
 
@@ -145,6 +145,8 @@ class LeasedTask(Task):
             raise self._unleased_error(request)
         lease = self.lease
         self._check_before_start(lease)
+        if request.lease_isolate:
+            self._mark_alone(lease)
         tracing.run_started(self, lease)   # returns at once unless tracing.enable() was called
         try:
             retval = super().__call__(*args, **kwargs)
@@ -236,6 +238,25 @@ class LeasedTask(Task):
             if worker is not None:
                 worker.forget(lease.task_id, lease.token)
             self._not_started(lease, f"not verifiable after its deadline passed ({exc})")
+
+    def _mark_alone(self, lease: Lease) -> None:
+        """An isolated run (an earlier death's blame was uncertain): its start is marked,
+        alone, before the body, so that if this body kills its worker the death is
+        charged to it exactly (docs/recovery.md, "Shared-process pools").
+
+        A store that cannot take the mark does not stop the body: the mark records
+        blame, not ownership, and without it a death is one more uncertain recovery,
+        which has its bound.
+        """
+        try:
+            marked = self._store_call(lambda: lease.store.mark_started(
+                lease.owner, {lease.task_id: lease.token}, alone=True), lease)
+        except LeaseError as exc:
+            logger.warning("task %s[%s]: isolated run not marked started (%s); if it dies now, its "
+                           "death counts as uncertain again", self.name, lease.task_id, exc)
+            return
+        if not marked:
+            self._not_started(lease, "no longer held when its isolated run was to start")
 
     def _not_started(self, lease: Lease, reason: str) -> NoReturn:
         lease._lost = True

@@ -103,7 +103,7 @@ def records(store: "LeaseStore", task_ids: Iterable[str], *, skip_corrupt: bool 
     if not task_ids:
         return []
     keys = [store.keys.record(t) for t in task_ids]
-    fields = ("state", "owner", "name", "started", *INT_FIELDS, *(f"h:{n}" for n in range(16)))
+    fields = ("state", "owner", "name", "started", "isolate", *INT_FIELDS, *(f"h:{n}" for n in range(16)))
 
     def read() -> list:
         pipe = store.client.pipeline(transaction=False)

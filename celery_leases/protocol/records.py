@@ -50,8 +50,11 @@ class LeaseRecord:
     #: its death then counts no recovery, only an unstarted one. Always False for a
     #: queued record (no worker has it).
     started: bool = True
-    #: Recoveries of the lease while it was never marked started (bounded separately).
+    #: Recoveries whose blame was uncertain (never marked started, or a death shared with
+    #: other tasks of a threads, gevent or eventlet worker): bounded separately.
     unstarted_recoveries: int = 0
+    #: True once a death's blame was uncertain: every later run of the task is isolated.
+    isolate: bool = False
 
     @classmethod
     def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0,
@@ -86,6 +89,7 @@ class LeaseRecord:
                    deadline=deadline,
                    name=(data.get("name") or b"").decode(), history=tuple(history),
                    has_message=has_message, started=state != QUEUED and data.get("started") != b"0",
+                   isolate=data.get("isolate") == b"1",
                    **values)
 
 
@@ -98,6 +102,9 @@ class Acquisition:
     generation: int
     recoveries: int
     state: str
+    #: True when the task's blame for an earlier death was uncertain: the owner runs it
+    #: alone, marked started before its body (``mark_started(alone=True)``).
+    isolate: bool = False
 
     @property
     def owned(self) -> bool:
@@ -203,8 +210,9 @@ class Parked:
 def acquisition_of(raw: Sequence[Any]) -> Acquisition:
     """acquire.lua's reply as an Acquisition; a CORRUPT answer raises CorruptRecord naming key and field."""
     raise_if_corrupt(raw, "acquire")
-    code, token, gen, recoveries, state = raw
-    return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode())
+    code, token, gen, recoveries, state = raw[:5]
+    return Acquisition(Code(code), int(token), int(gen), int(recoveries), state.decode(),
+                       isolate=len(raw) > 5 and int(raw[5]) == 1)
 
 
 def raise_if_corrupt(reply: Any, what: str) -> None:

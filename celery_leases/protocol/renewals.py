@@ -103,7 +103,7 @@ def release(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, unsta
     return released
 
 
-def mark_started(store: "LeaseStore", owner: str, leases: Mapping[str, int]) -> int:
+def mark_started(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, alone: bool = False) -> int:
     """Record that the bodies of these leases started running; returns how many were marked.
 
     Only a started lease counts a recovery when its owner dies: prefetched
@@ -114,6 +114,6 @@ def mark_started(store: "LeaseStore", owner: str, leases: Mapping[str, int]) -> 
     calls = []
     for index, task_ids in store.keys.by_shard(leases).items():
         calls.append(([store.keys.shard(index).stats, *(store.keys.record(t) for t in task_ids)],
-                      [owner, *(int(leases[t]) for t in task_ids)]))
+                      [owner, 1 if alone else 0, *(int(leases[t]) for t in task_ids)]))
     return sum(int(n) for n in store.calls.run_many(scripts.mark_started, calls,
                                               f"start marks of {len(leases)} leases of {owner}"))

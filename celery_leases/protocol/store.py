@@ -35,7 +35,7 @@ PARKED_RETENTION = 7 * 86400.0
 PARKED_CAP = 10_000
 
 #: Keys and arguments of one acquire (acquire.lua's header): acquire_many takes them in blocks.
-ACQUIRE_KEYS, ACQUIRE_ARGS = 6, 14
+ACQUIRE_KEYS, ACQUIRE_ARGS = 6, 15
 
 
 def one_task(task_id: Any) -> str:
@@ -107,7 +107,7 @@ class LeaseStore:
                 generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                 progress_timeout: float = 0, name: str = "", body: bytes = b"",
                 envelope: Mapping | None = None, reassert: int = 0, publish: str = "",
-                recorded: bool = False) -> Acquisition:
+                recorded: bool = False, shared: bool = False) -> Acquisition:
         """Try to become the owner of ``task_id``'s lease for one delivery of its message.
 
         ``reassert``: the token of a lease the caller holds but whose record has
@@ -118,10 +118,13 @@ class LeaseStore:
         ``recorded``: the publisher recorded this message (enqueue): ``body`` and
         ``envelope`` are sent only if the store does not hold this publish's
         message after all (a second round trip, then).
+        ``shared``: the caller's pool runs several tasks in one process (threads,
+        gevent, eventlet), so its death is not charged to this task unless it ran
+        alone (``Acquisition.isolate``, ``mark_started(alone=True)``).
         """
         call: dict[str, Any] = dict(ttl=ttl, generation=generation, attempt=attempt, max_recoveries=max_recoveries,
                     progress_timeout=progress_timeout, name=name, body=body, envelope=envelope,
-                    reassert=reassert, publish=publish, recorded=recorded)
+                    reassert=reassert, publish=publish, recorded=recorded, shared=shared)
         script, keys, args = self._acquire_call(task_id, owner, **call)
         raw = self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}")
         return self.acquire_reply(raw, task_id=task_id, owner=owner, **call)
@@ -237,7 +240,8 @@ class LeaseStore:
                       generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
                       progress_timeout: float = 0, name: str = "", body: bytes = b"",
                       envelope: Mapping | None = None, reassert: int = 0,
-                      publish: str = "", recorded: bool = False) -> tuple[Script, list, list]:
+                      publish: str = "", recorded: bool = False,
+                      shared: bool = False) -> tuple[Script, list, list]:
         """The script, KEYS and ARGV of an acquire: acquire.lua, or reassert.lua for ``reassert``."""
         # (The wire would carry 1.5 as "1.5": a wrong id, not a task's.)
         key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
@@ -253,7 +257,7 @@ class LeaseStore:
         if reassert:
             return scripts.reassert, keys, [*args, int(reassert)]
         return scripts.acquire, keys, [*args, ms(self.retention), self._clock_tokens, publish or "",
-                                       1 if omit else 0]
+                                       1 if omit else 0, 1 if shared else 0]
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,
@@ -343,9 +347,10 @@ class LeaseStore:
         """Make these leases due now, for recovery without waiting out the ttl (renewals.py)."""
         return renewals.release(self, owner, leases, unstarted=unstarted)
 
-    def mark_started(self, owner: str, leases: Mapping[str, int]) -> int:
-        """Record that the bodies of these leases started running (renewals.py)."""
-        return renewals.mark_started(self, owner, leases)
+    def mark_started(self, owner: str, leases: Mapping[str, int], *, alone: bool = False) -> int:
+        """Record that the bodies of these leases started running (renewals.py); ``alone``:
+        each runs with nothing beside it in its process, so its owner's death is its own."""
+        return renewals.mark_started(self, owner, leases, alone=alone)
 
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""

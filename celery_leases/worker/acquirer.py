@@ -321,7 +321,7 @@ def _is_many_reply(reply: Any, n: int) -> bool:
 
 
 def _is_acquire_reply(reply: Any) -> bool:
-    """True for what acquire.lua can return: {code, token, generation, recoveries, state},
+    """True for what acquire.lua can return: {code, token, generation, recoveries, state[, isolate]},
     {CORRUPT, key, field, detail}, or an error."""
     if isinstance(reply, Exception):
         return True
@@ -329,7 +329,7 @@ def _is_acquire_reply(reply: Any) -> bool:
         return False
     if reply[0] == Code.CORRUPT:
         return len(reply) == 4
-    return (len(reply) == 5 and reply[0] in _ACQUIRE_CODES and all(type(n) is int for n in reply[1:4])
+    return (len(reply) in (5, 6) and reply[0] in _ACQUIRE_CODES and all(type(n) is int for n in reply[1:4])
             and isinstance(reply[4], bytes))
 
 

@@ -44,6 +44,7 @@ from .acquirer import Acquirer, Job
 from .delivery import (DUE_HEADER, REQUEUES_HEADER, DeliveryWindow, Throttled, describe,
                        eta_after, local_eta, requeue_delay, validate_message)
 from .heartbeat import Heartbeat, Held
+from .isolation import Isolation
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -53,8 +54,9 @@ __all__ = ["Receipt", "acquire_call"]
 _REFUSALS = frozenset({Code.BUSY, Code.FINISHED, Code.STALE, Code.DEAD})
 
 
-def acquire_call(request: Any, config: LeaseConfig, owner: str) -> dict:
-    """The ``LeaseStore.acquire`` arguments for one delivery of a leased task, held by ``owner``."""
+def acquire_call(request: Any, config: LeaseConfig, owner: str, shared: bool = False) -> dict:
+    """The ``LeaseStore.acquire`` arguments for one delivery of a leased task, held by ``owner``
+    (``shared``: whose pool runs several tasks in one process, isolation.py)."""
     message, request_dict = request.message, request.request_dict
     headers = message.headers or {}
     # Taken before the acquire is sent, so at most the server's deadline minus the ttl.
@@ -67,7 +69,8 @@ def acquire_call(request: Any, config: LeaseConfig, owner: str) -> dict:
                 body=message.body, envelope=envelope_of(message),
                 publish=headers.get(PUBLISH_HEADER) or "",
                 # Recorded at publish as received: the store holds the message (sent if not).
-                recorded=RECORDED_HEADER in headers and headers[RECORDED_HEADER] == recorded_headers(headers))
+                recorded=RECORDED_HEADER in headers and headers[RECORDED_HEADER] == recorded_headers(headers),
+                shared=shared)
 
 
 class Receipt:
@@ -81,10 +84,13 @@ class Receipt:
                  heartbeat: Heartbeat, clock: ServerClock, *,
                  task_config: Callable[[Any], LeaseConfig], release: Callable[..., int],
                  pool: Any = None, hub: Any = None, quick_release: Any = None,
-                 prefork: bool = False) -> None:
+                 prefork: bool = False, isolation: Isolation | None = None) -> None:
         self.app, self.config, self.store, self.owner = app, config, store, owner
         self.heartbeat, self.clock, self.pool = heartbeat, clock, pool
         self.task_config, self.release = task_config, release
+        #: The gate of a shared-process pool (isolation.py): its deaths are not charged to
+        #: one task, and a task the store asks to isolate runs alone.
+        self.isolation = isolation
         #: Celery's semaphore release, for a deferred request found revoked (as _process_task does).
         self.quick_release = quick_release
         #: Bumped whenever the consumer drops its requests: acquires of an older epoch are released.
@@ -152,7 +158,7 @@ class Receipt:
                     return
                 self.window.admit(request.id)
             config = self.task_config(request.task)
-            acq = self.store.acquire(**acquire_call(request, config, self.owner))
+            acq = self.store.acquire(**acquire_call(request, config, self.owner, self.isolation is not None))
             self._settle(request, config, acq)
         except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
             self._acquire_failed(request, exc, due=True)
@@ -174,7 +180,7 @@ class Receipt:
                     f"task {describe(request)}: more than {self.config.deliveries_per_minute} deliveries "
                     f"in a minute (leases_deliveries_per_minute); postponed {wait:.1f}s"))
                 return
-            call = acquire_call(request, config, self.owner)
+            call = acquire_call(request, config, self.owner, self.isolation is not None)
             if self.acquirer is not None:
                 # Sent now, read when the event loop sees the reply; the request
                 # is handed to its pool once it is in (LeasedRequest defers it).
@@ -323,6 +329,12 @@ class Receipt:
             # been paused meanwhile, and its lease taken over.
             live_until = request.__dict__.get("_lease_asked_at", time.monotonic()) + config.ttl
             request_dict["lease_expires_at"] = live_until
+            if acq.isolate:
+                # An earlier death's blame was uncertain: this run is marked started before
+                # its body (LeasedTask) and, on a shared-process pool, runs alone.
+                request_dict["lease_isolate"] = 1
+                if self.isolation is not None:
+                    self.isolation.isolate(request.id)
             self.heartbeat.add(request.id, Held(acq.token, request, config.heartbeat_interval,
                                                 ttl=config.ttl, progress=bool(config.progress_timeout),
                                                 live_until=live_until))

@@ -8,7 +8,8 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
-- fallback.py: recovery passes without beat (started by ``RecoveryStep``).
+- fallback.py: recovery passes without beat (started by ``RecoveryStep``);
+- isolation.py: on a shared-process pool, a task of uncertain blame runs alone.
 
 This module keeps what is left: start and stop, the per-task settings, and
 the held leases: released at once when the consumer drops its requests, when
@@ -32,6 +33,7 @@ from ..exceptions import LeaseError
 from ..runtime import get_store
 from ..protocol.scripts import scripts
 from .heartbeat import Heartbeat
+from .isolation import Isolation
 from .lost import LostLeases
 from .receipt import Receipt
 from .revokes import Revoker
@@ -50,7 +52,7 @@ class LeaseWorker:
 
     def __init__(self, app: Any, config: LeaseConfig, pool: Any = None, hostname: str | None = None,
                  hub: Any = None, quick_release: Any = None, prefork: bool = False,
-                 loop: LoopWatch | None = None) -> None:
+                 loop: LoopWatch | None = None, isolation: Isolation | None = None) -> None:
         self.app, self.config, self.pool = app, config, pool
         self.owner = f"{hostname or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.store = get_store(app)
@@ -62,7 +64,7 @@ class LeaseWorker:
                                    sender=app, on_missing=self.lost.on_missing, loop=loop)
         self.receipt = Receipt(app, config, self.store, self.owner, self.heartbeat, self.clock,
                                task_config=self.task_config, release=self.release, pool=pool, hub=hub,
-                               quick_release=quick_release, prefork=prefork)
+                               quick_release=quick_release, prefork=prefork, isolation=isolation)
         self.revokes = Revoker(app, config, self.store, self.owner, self.heartbeat)
 
     # -- lifecycle --------------------------------------------------------

@@ -28,6 +28,7 @@ from ..config import get_config
 from ..exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from ..runtime import get_store, get_worker, set_worker
 from .fallback import FallbackRecovery
+from .isolation import Isolation, shares_process
 from .loop import LoopWatch
 from .service import LeaseWorker
 from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured, wait_for_store
@@ -50,6 +51,7 @@ class LeaseStep(bootsteps.StartStopStep):
         super().__init__(w, **kwargs)
         self.lease_worker: LeaseWorker | None = None
         self.loop: LoopWatch | None = None
+        self.isolation: Isolation | None = None
 
     def create(self, w: Any) -> "LeaseStep":
         # Nothing here may raise: an exception in a bootstep's create escapes
@@ -74,9 +76,15 @@ class LeaseStep(bootsteps.StartStopStep):
         if self.loop is None and loop_hub is not None:
             self.loop = LoopWatch(loop_hub, runs_bodies=pool_module == "celery.concurrency.solo")
         loop = self.loop
+        # A pool whose tasks share one process gets the isolation gate, once per pool and
+        # before the consumer makes its request classes (they take pool.apply_async).
+        if self.isolation is None and shares_process(w.pool):
+            self.isolation = Isolation(w.pool)
+            self.isolation.install()
         lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
                                    quick_release=getattr(w, "_quick_release", None),
-                                   prefork=pool_module == "celery.concurrency.prefork", loop=loop)
+                                   prefork=pool_module == "celery.concurrency.prefork", loop=loop,
+                                   isolation=self.isolation)
         set_worker(w.app, lease_worker)
         return lease_worker
 

@@ -8,7 +8,8 @@ ADV_TTL, ADV_MAX_RECOVERIES, ADV_PREFETCH, ADV_UNAVAILABLE_DELAY, ADV_ACKS_LATE
 ADV_PUBLISH_RETRIES task_publish_retry_policy max_retries (Celery's default: 3)
 
 Tasks: ``adv.work(seq, seconds)`` returns ``{"seq", "token", "exec"}``; ``adv.callback``
-(a link) records which parent result it got; ``adv.poison`` kills its whole worker;
+(a link) records which parent result it got; ``adv.poison(seconds=0.3)`` kills its whole worker
+after ``seconds``;
 ``adv.blob(data)`` returns the size and digest of a large argument.
 """
 from __future__ import annotations
@@ -80,9 +81,9 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return parent
 
     @app.task(name="adv.poison", base=celery_leases.LeasedTask, bind=True, shared=False)
-    def poison(self) -> None:
+    def poison(self, seconds: float = 0.3) -> None:
         history.event("start", self.request.id, exec=uuid.uuid4().hex[:10], token=self.lease.token)
-        time.sleep(0.3)
+        time.sleep(seconds)
         os.kill(os.getppid() if get("ADV_POOL") == "prefork" else os.getpid(), signal.SIGKILL)
         time.sleep(5)
 

@@ -14,6 +14,7 @@ from celery_leases import Code, LeaseStore
 from celery_leases.exceptions import CorruptRecord, LeaseError
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
 from celery_leases.protocol.scripts import scripts
+from celery_leases.protocol.store import ACQUIRE_ARGS
 from celery_leases.protocol.wire import pack, parse
 
 ENVELOPE = {"headers": {}, "routing_key": "q"}
@@ -81,7 +82,7 @@ def test_a_server_error_raised_half_way_is_that_acquires_answer_and_the_others_s
     # raised inside the script after the record was written)
     calls = [call("a"), call("nan"), call("b")]
     keys, args = store._acquire_many_call(calls, "", None)
-    args[3 + 14 + 2] = "nan"  # the second acquire's ARGV[3], its ttl
+    args[3 + ACQUIRE_ARGS + 2] = "nan"  # the second acquire's ARGV[3], its ttl
     raw = store.calls.run(scripts.acquire_many, keys, args, "test")
 
     results, _ = store.acquire_many_reply(raw, calls)

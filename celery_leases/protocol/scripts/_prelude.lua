@@ -24,7 +24,12 @@
                              depend on first, then write.
   count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
                              reason to refuse a task (the stats reads report it)
-  unstarted_limit(max)       recoveries allowed to a lease never marked started
+  unstarted_limit(max)       uncertain recoveries allowed to a task (charge_death)
+  charge_death(rec, key, limit)
+                             how the death of an expired active lease's owner is charged to its
+                             task (claim_expired, acquire's take-over): 'released', 'counted' or
+                             'uncertain', the task's recoveries and uncertain recoveries after
+                             it, and true when that death makes the task dead
   is_terminal(state)         true for succeeded, failed, dead and revoked
   end_lease(key, deadlines, message, task_id, state, now, retention, ...)
                              write terminal ``state`` (and the extra field/value pairs
@@ -44,10 +49,11 @@
                              is given, index the deadline; the record loses any expiry unless
                              ``persist`` is false (a record that never had one), a kept stored
                              message only with ``persist_message``; acquire.lua and reassert.lua
-  mark_starts(stats, keys, from, owner, tokens, at)
+  mark_starts(stats, keys, from, owner, tokens, at, alone)
                              mark started the leases whose records are keys[from..] and
                              whose tokens are tokens[at..] (in the same order), if
-                             ``owner`` still holds them; the number marked (counted as
+                             ``owner`` still holds them, and ``alone`` ('1') when the worker
+                             runs each with nothing beside it; the number marked (counted as
                              ``started``); mark_started.lua and acquire_many.lua
   drop_unwritten(index, results, ids, from)
                              forget the kept results (unwritten.py) of ids[from..]: Celery
@@ -159,13 +165,34 @@ local function count(stats, field, n)
 end
 
 local function unstarted_limit(max_recoveries)
-  -- A lease never marked started (mark_started.lua) costs its task no recovery
-  -- when its worker dies: the task had probably only been prefetched. But its
-  -- start mark may have died with the worker (a body that kills its worker in
-  -- its first milliseconds), so these recoveries have a bound of their own,
-  -- larger than max_recoveries: prefetched innocents outlive a poison pill's
-  -- max_recoveries + 1 worker deaths, and nothing is recovered without end.
+  -- Deaths whose blame is uncertain (charge_death) cost their task no recovery, but they
+  -- have a bound of their own, larger than max_recoveries: an innocent that shared a few
+  -- pills' deaths outlives them, and nothing is recovered without end (a worker that dies
+  -- of its own accord, whatever it runs).
   return 4 * (max_recoveries + 1)
+end
+
+local function charge_death(rec, key, limit)
+  -- The one rule for what a dead owner's lease costs its task (docs/recovery.md):
+  --   released   its live worker gave it back unstarted (warm shutdown, a dropped request):
+  --              that worker knew the body never ran; nothing is charged
+  --   counted    its body ran and the death is its own: on a pool of one task per process
+  --              (prefork, solo), or run alone on a shared-process pool (mark_starts alone):
+  --              a recovery
+  --   uncertain  never marked started (prefetched, or a body that died before its mark went
+  --              out), or it ran beside other tasks in one process (threads, gevent,
+  --              eventlet: any of them may have killed it): an uncertain recovery, bounded
+  --              by unstarted_limit; its next runs are isolated (acquire's reply)
+  -- (Records without a started field predate it and count as started.)
+  local recoveries = num(rec, key, 'recoveries')
+  local uncertain = num(rec, key, 'unstarted_recoveries')
+  if rec.unstarted == '1' then return 'released', recoveries, uncertain, false end
+  if rec.started ~= '0' and (rec.shared ~= '1' or rec.alone == '1') then
+    if recoveries >= limit then return 'counted', recoveries, uncertain, true end
+    return 'counted', recoveries + 1, uncertain, false
+  end
+  uncertain = uncertain + 1
+  return 'uncertain', recoveries, uncertain, uncertain > unstarted_limit(limit)
 end
 
 local function is_terminal(state)
@@ -235,7 +262,7 @@ local function activate(key, deadlines, stats, message, l, extra)
   count(stats, 'acquired', 1)
 end
 
-local function mark_starts(stats, keys, from, owner, tokens, at)
+local function mark_starts(stats, keys, from, owner, tokens, at, alone)
   local suffix = '@' .. owner
   local marked = 0
   local now
@@ -251,6 +278,7 @@ local function mark_starts(stats, keys, from, owner, tokens, at)
       else
         redis.call('HSET', key, 'started', '1')
       end
+      if alone == '1' then redis.call('HSET', key, 'alone', '1') end
       marked = marked + 1
     end
   end

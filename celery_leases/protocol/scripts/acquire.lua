@@ -4,9 +4,12 @@
   A delivery is the rightful owner when there is no record yet, when it is the
   recovered copy (its generation equals the record's while recovering), when it
   is a later retry attempt than the record's, or when the previous owner's lease
-  has expired and no recovery has claimed it yet (a take-over, counted as a
-  recovery only if its body had started, see mark_started.lua; an unstarted one
-  is bounded by unstarted_limit). Older copies of the message are stale.
+  has expired and no recovery has claimed it yet (a take-over, charged to the
+  task by charge_death's rule, as a recovery pass would). Older copies of the
+  message are stale. A task whose blame for an earlier death was uncertain
+  (field isolate) is answered with isolate 1: its owner runs it alone and marks
+  its start before the body (mark_started.lua, alone), so its next death is
+  charged exactly.
   A finished (succeeded or failed) record is run again by a new publish of the
   task id: a first attempt (generation 0, retries 0) whose publish id is neither
   the record's nor one of the earlier ones it remembers (the last 16, fields
@@ -41,8 +44,12 @@
     ARGV[14] optional: '1' when the caller left the message out (ARGV[9] and ARGV[10] '')
             because its publisher recorded it (enqueue.lua): the stored message is kept if it
             is this publish's (its pub is ARGV[13]); otherwise NO_MESSAGE, nothing written
+    ARGV[15] optional: '1' when the owner's pool runs several tasks in one process (threads,
+            gevent, eventlet): a death there is not the task's own unless it ran alone
 
-  Output: {code, token, generation, recoveries, state}, or {CORRUPT, key, field, detail}
+  Output: {code, token, generation, recoveries, state, isolate} when the caller owns the lease
+  (isolate 1: run it alone, marked started before its body), {code, token, generation,
+  recoveries, state} otherwise, or {CORRUPT, key, field, detail}
     ACQUIRED    the caller owns the lease with the new token
     TAKEN_OVER  the caller owns the lease; the previous owner had expired
     BUSY        a live owner holds the lease (token is theirs)
@@ -69,13 +76,15 @@ end
 -- Everything this script depends on is read and validated before anything is written.
 local PUBLISHES = 16 -- earlier publish ids remembered, one small field each (p:0..p:15, ring by pn)
 local read = {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
-              'revoke_requested', 'started', 'unstarted_recoveries', 'pub', 'pn'}
+              'revoke_requested', 'started', 'unstarted_recoveries', 'pub', 'pn', 'shared', 'alone',
+              'isolate'}
 local rec, bad = load(key, read,
                       {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested',
                        'unstarted_recoveries', 'pn'}, {'token'})
 if bad then return bad end
 local pub = ARGV[13] or ''
 local omitted = ARGV[14] == '1'
+local shared = ARGV[15] == '1'
 -- A copy of a publish that held this lease before the current one: never run it again.
 -- (The remembered ids are read only when the record has some: pn counts those written, in
 -- p:0.. up to PUBLISHES, so most acquires read 13 fields, not 29.)
@@ -113,6 +122,7 @@ local generation = num(rec, key, 'generation')
 local recoveries = num(rec, key, 'recoveries')
 local attempt = num(rec, key, 'attempt')
 local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
+local isolate = rec.isolate == '1'
 
 -- A message left out by its caller: the one recorded at publish must be this publish's.
 -- (Asked before any decision writes; a delivery that would be refused is refused on its
@@ -138,8 +148,8 @@ elseif state and (state == 'succeeded' or state == 'failed') and pub ~= '' and p
   -- A new publish of a finished task id (a frozen signature applied again): a new run,
   -- as plain Celery runs it. Tokens and generation keep growing; the recovery budget
   -- starts again, since it is this run's.
-  recoveries, unstarted_recoveries = 0, 0
-  redis.call('HDEL', key, 'finished_at')
+  recoveries, unstarted_recoveries, isolate = 0, 0, false
+  redis.call('HDEL', key, 'finished_at', 'isolate')
   count(stats, 'rerun', 1)
 elseif state then
   if is_terminal(state) then
@@ -166,23 +176,18 @@ elseif state then
       count(stats, 'busy_deliveries', 1)
       return {BUSY, token, generation, recoveries, state}
     end
-    -- The owner stopped renewing and no recovery has claimed the lease yet.
-    -- As in claim_expired: only a lease whose body started counts a recovery.
-    local unmarked = rec.unstarted ~= '1' and rec.started == '0'
-    if unmarked then unstarted_recoveries = unstarted_recoveries + 1 end
-    if rec.unstarted == '1' then
-      code = TAKEN_OVER
-    elseif (unmarked and unstarted_recoveries > unstarted_limit(max_recoveries))
-        or (not unmarked and recoveries >= max_recoveries) then
-      end_lease(key, deadlines, message, task_id, 'dead', now, tonumber(ARGV[11]), 'owner', '')
+    -- The owner stopped renewing and no recovery has claimed the lease yet: charged as a
+    -- recovery pass would (the record's own bound, as it is this task's).
+    local charge, counted, uncertain, is_dead = charge_death(rec, key, max_recoveries)
+    if is_dead then
+      end_lease(key, deadlines, message, task_id, 'dead', now, tonumber(ARGV[11]), 'owner', '',
+                'unstarted_recoveries', uncertain)
       count(stats, 'dead', 1)
       return {DEAD, token, generation, recoveries, 'dead'}
-    elseif unmarked then
-      code = TAKEN_OVER
-    else
-      recoveries = recoveries + 1
-      code = TAKEN_OVER
     end
+    recoveries, unstarted_recoveries = counted, uncertain
+    if charge == 'uncertain' then isolate = true end
+    code = TAKEN_OVER
   end
 end
 
@@ -211,6 +216,12 @@ if msg_gen > generation then generation = msg_gen end
 
 -- The publish this delivery belongs to; the one before it joins the remembered ones.
 local extra = {'pub', pub}
+if shared then
+  for _, v in ipairs({'shared', '1', 'alone', '0'}) do extra[#extra + 1] = v end
+elseif rec.shared == '1' then
+  extra[#extra + 1] = 'shared'; extra[#extra + 1] = '0'
+end
+if isolate and rec.isolate ~= '1' then extra[#extra + 1] = 'isolate'; extra[#extra + 1] = '1' end
 if rec.pub and rec.pub ~= '' and rec.pub ~= pub then
   local pn = num(rec, key, 'pn')
   for _, v in ipairs({'p:' .. (pn % PUBLISHES), rec.pub, 'pn', pn + 1}) do extra[#extra + 1] = v end
@@ -227,4 +238,4 @@ activate(key, deadlines, stats, message, {
   persist_message = omitted and state ~= 'queued'}, extra)
 if code == TAKEN_OVER then count(stats, 'taken_over', 1) end
 if queued then redis.call('ZREM', KEYS[6], task_id) end
-return {code, new_token, generation, recoveries, 'active'}
+return {code, new_token, generation, recoveries, 'active', isolate and 1 or 0}

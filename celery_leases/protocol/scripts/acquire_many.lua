@@ -17,7 +17,7 @@
     ARGV[2] m: the number of start marks (0 when none)
     ARGV[3] owner of the marked leases ('' when m is 0)
     ARGV[4..] the token of each marked lease (m of them), then the acquires' arguments,
-              14 each (acquire.lua's ARGV[1..14]), in the order of their keys
+              15 each (acquire.lua's ARGV[1..15]), in the order of their keys
     KEYS[1] the first acquire's record hash: the first six keys are its keys (acquire.lua's
             KEYS[1..6]), the next six the second acquire's, and so on, 6n in all
     KEYS[2..] the rest of the acquires' keys; after them, when m > 0, the stats hash the marks
@@ -26,7 +26,7 @@
   Output: {reply_1, .., reply_n, marked}: reply_i is acquire.lua's reply to the i-th
   acquire, or an error reply for it alone; marked is the number of leases marked started.
 ]]
-local NKEYS, NARGS = 6, 14
+local NKEYS, NARGS = 6, 15
 local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
 if not (n and m) or #KEYS ~= NKEYS * n + (m > 0 and m + 1 or 0) or #ARGV ~= 3 + m + NARGS * n then
   return redis.error_reply('ERR acquire_many: ' .. #KEYS .. ' keys and ' .. #ARGV

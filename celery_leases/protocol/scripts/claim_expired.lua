@@ -5,12 +5,12 @@
   recoverer since the caller listed it is skipped. A claim bumps the
   generation (older copies of the message become stale) and gives the
   recoverer a grace period to publish; if it never confirms (mark_published),
-  the next pass claims the lease again without counting another recovery
-  (nor does a lease released unstarted at a warm shutdown count one).
-  Only a lease whose body started (mark_started) counts a recovery; one
-  never marked started counts an unstarted recovery instead, bounded by
-  unstarted_limit(max recoveries) (the prelude). Past either bound the task
-  becomes dead instead.
+  the next pass claims the lease again without counting another recovery.
+  What the dead owner's lease costs its task is charge_death's rule (the
+  prelude): a recovery when the death is the task's own, an uncertain one
+  (bounded by unstarted_limit) when it may not be, and then the task's next
+  runs are isolated (field isolate, answered by acquire); nothing for a lease
+  released unstarted. Past either bound the task becomes dead instead.
 
   Input:
     KEYS[1] deadlines sorted set
@@ -23,8 +23,8 @@
   Output: list of {task id, code, generation, recoveries, name, body, envelope},
   or {CORRUPT, key, field, detail} when the deadline index is not a sorted set
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
-    DEAD       past max recoveries (or the unstarted bound: recoveries then counts the
-               unstarted ones too): the record is now dead. The caller stores the failure
+    DEAD       past max recoveries (or the uncertain bound: recoveries then counts the
+               uncertain ones too): the record is now dead. The caller stores the failure
                (and may dead-letter the body), then confirms with mark_published; an
                unconfirmed dead record is handed out again after the publish grace
     CORRUPT    the record or its message hash is not what this protocol wrote: the row is
@@ -39,7 +39,7 @@ local now = now_ms()
 local out = {}
 local recovered, dead = 0, 0
 local fields = {'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries', 'token',
-                'started', 'unstarted_recoveries'}
+                'started', 'unstarted_recoveries', 'shared', 'alone'}
 local numeric = {'generation', 'recoveries', 'max_recoveries', 'token', 'unstarted_recoveries'}
 
 for i = 1, (#KEYS - 2) / 2 do
@@ -74,33 +74,32 @@ for i = 1, (#KEYS - 2) / 2 do
       if deadline then redis.call('ZREM', deadlines, task_id) end
     elseif deadline and deadline <= now then
       local generation = num(rec, key, 'generation') + 1
-      local recoveries = num(rec, key, 'recoveries')
       local body = redis.call('HMGET', message, 'body', 'envelope')
-      -- Counted: the owner died (or stalled) while the body ran. Not counted: it was
-      -- released unstarted by a live worker, or never marked started (prefetched,
-      -- as far as the store knows: bounded by unstarted_limit instead).
       local limit = max_recoveries
       if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
-      local released_unstarted = rec.unstarted == '1'
-      local unmarked = state == 'active' and not released_unstarted and rec.started == '0'
-      local counted = state == 'active' and not released_unstarted and not unmarked
-      local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
-      if unmarked then unstarted_recoveries = unstarted_recoveries + 1 end
-      if (counted and recoveries >= limit) or unstarted_recoveries > unstarted_limit(limit) then
+      -- A recovering lease claimed again (its re-publish never confirmed) costs nothing more.
+      local charge, recoveries, uncertain, is_dead = 'released', num(rec, key, 'recoveries'),
+        num(rec, key, 'unstarted_recoveries'), false
+      if state == 'active' then charge, recoveries, uncertain, is_dead = charge_death(rec, key, limit) end
+      if is_dead then
         -- Dead; the message stays until the caller confirms its notice
         -- (mark_published), and the index entry brings it back if it never does.
-        redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now)
+        redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now,
+                   'unstarted_recoveries', uncertain)
         redis.call('HDEL', key, 'holder')
         redis.call('ZADD', deadlines, now + grace, task_id)
         dead = dead + 1
-        -- Past the unstarted bound, report every abandonment (LeaseExpired names the count).
+        -- Past the uncertain bound, report every abandonment (LeaseExpired names the count).
         local abandoned = recoveries
-        if not counted then abandoned = recoveries + unstarted_recoveries end
+        if charge == 'uncertain' then abandoned = recoveries + uncertain end
         table.insert(out, {task_id, DEAD, generation - 1, abandoned, rec.name or '', body[1] or '', body[2] or ''})
       else
-        if counted then recoveries = recoveries + 1 end
-        redis.call('HSET', key, 'state', 'recovering', 'owner', '', 'generation', generation,
-                   'recoveries', recoveries, 'attempt', 0, 'unstarted_recoveries', unstarted_recoveries)
+        local fields = {'state', 'recovering', 'owner', '', 'generation', generation,
+                        'recoveries', recoveries, 'attempt', 0, 'unstarted_recoveries', uncertain}
+        if charge == 'uncertain' then
+          fields[#fields + 1] = 'isolate'; fields[#fields + 1] = '1'
+        end
+        redis.call('HSET', key, unpack(fields))
         redis.call('HDEL', key, 'holder')
         redis.call('ZADD', deadlines, now + grace, task_id)
         recovered = recovered + 1

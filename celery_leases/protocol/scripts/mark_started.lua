@@ -10,14 +10,19 @@
   after the pool started the tasks. A lease with a progress timeout gets its
   progress deadline here (now + progress timeout, unless a progress call set
   one already): the timeout bounds a running body, not the wait before it.
+  A lease marked alone (ARGV[2]) runs with nothing beside it in its process, so
+  on a shared-process pool its owner's death is its own (charge_death): the
+  worker sends that mark, for a task whose earlier blame was uncertain, before
+  the body starts.
 
   Input:
     KEYS[1] stats hash (counts the marks, field started)
     KEYS[2..n] record hash of each lease, in the order of the tokens below
     ARGV[1] owner (worker instance id)
-    ARGV[k] token of the lease whose record is KEYS[k]
+    ARGV[2] '1' when the worker runs these tasks alone (nothing beside them in their process), else '0'
+    ARGV[k+1] token of the lease whose record is KEYS[k]
 
   Output: number of leases marked (OK for each; leases the caller no longer
   holds are left alone)
 ]]
-return mark_starts(KEYS[1], KEYS, 2, ARGV[1], ARGV, 2)
+return mark_starts(KEYS[1], KEYS, 2, ARGV[1], ARGV, 3, ARGV[2])
