@@ -1,0 +1,120 @@
+"""charge_death: what a dead owner's lease costs its task, on a real redis-server.
+
+A death is the task's own on a pool of one task per process, or when it ran alone
+(``mark_started(alone=True)``); a death it shared with other tasks of one process, or
+before its start mark, is uncertain: no recovery, a bounded uncertain one, and the task's
+next runs are isolated (``Acquisition.isolate``).
+"""
+from __future__ import annotations
+
+from celery_leases import Code
+from tests.protocol.scripts_support import A, B, SHORT, acquire, wait_out
+
+
+def _die(store, task_id, owner, *, shared, alone=False, started=True, generation=0, **kwargs):
+    """``owner`` acquires (and marks) the task, then dies: a recovery pass claims it."""
+    acq = acquire(store, task_id, owner, ttl=SHORT, generation=generation, started=False,
+                  shared=shared, **kwargs)
+    assert acq.owned, acq
+    if started:
+        assert store.mark_started(owner, {task_id: acq.token}, alone=alone) == 1
+    wait_out()
+    (claim,) = store.claim_expired(ids=[task_id])
+    if claim.code is Code.RECOVERED:
+        store.mark_published([claim])
+    return acq, claim
+
+
+def test_a_death_shared_with_other_tasks_counts_no_recovery_and_isolates_the_task(make_store):
+    # Given a task running beside others on a threads worker (shared), when that worker dies
+    store = make_store(max_recoveries=1)
+    acq, claim = _die(store, "t", A, shared=True)
+
+    # Then it is not charged a recovery, only an uncertain one, and its next run is isolated
+    assert not acq.isolate
+    assert (claim.code, claim.recoveries) == (Code.RECOVERED, 0)
+    record = store.get("t")
+    assert (record.unstarted_recoveries, record.isolate) == (1, True)
+    again = acquire(store, "t", B, generation=claim.generation, started=False, shared=True)
+    assert again.owned and again.isolate
+
+
+def test_a_death_while_running_alone_is_the_tasks_own(make_store):
+    # Given an isolated task marked started alone on a shared-process worker
+    store = make_store(max_recoveries=1)
+    _, first = _die(store, "pill", A, shared=True)
+    # When it kills its worker max_recoveries + 1 times, each time alone
+    _, second = _die(store, "pill", B, shared=True, alone=True, generation=first.generation)
+    _, third = _die(store, "pill", A, shared=True, alone=True, generation=second.generation)
+
+    # Then each of those deaths counts, and it is dead after max_recoveries recoveries
+    assert (second.code, second.recoveries) == (Code.RECOVERED, 1)
+    assert third.code is Code.DEAD
+    record = store.get("pill")
+    assert (record.state, record.recoveries, record.unstarted_recoveries) == ("dead", 1, 1)
+
+
+def test_a_pool_of_one_task_per_process_keeps_its_exact_blame(make_store):
+    # Given prefork or solo (not shared): a started lease's death is its own, as before
+    store = make_store(max_recoveries=1)
+    _, first = _die(store, "p", A, shared=False)
+    assert (first.recoveries, store.get("p").isolate) == (1, False)
+    _, second = _die(store, "p", B, shared=False, generation=first.generation)
+    assert second.code is Code.DEAD
+
+
+def test_an_unmarked_death_isolates_the_task_so_its_next_death_is_exact(make_store):
+    # Given a body that killed its (solo) worker before its start mark went out
+    store = make_store(max_recoveries=0)
+    _, first = _die(store, "quick", A, shared=False, started=False)
+    assert (first.code, first.recoveries) == (Code.RECOVERED, 0)
+
+    # When the next run, isolated, is marked started before its body and dies again
+    again = acquire(store, "quick", B, generation=first.generation, started=False, ttl=SHORT)
+    assert again.isolate
+    assert store.mark_started(B, {"quick": again.token}, alone=True) == 1
+    wait_out()
+    (claim,) = store.claim_expired(ids=["quick"])
+
+    # Then that death counts: with max_recoveries 0 the task is dead after one own death,
+    # not after the 4 * (0 + 1) unstarted ones it used to get
+    assert claim.code is Code.DEAD
+
+
+def test_a_take_over_charges_a_shared_death_as_a_recovery_pass_would(make_store):
+    # Given a lease of a shared-process worker, started beside others, expired unclaimed
+    store = make_store(max_recoveries=0)
+    acquire(store, "t", A, ttl=SHORT, shared=True)
+    wait_out()
+    # When a restored copy takes it over (no recovery pass ran)
+    took = acquire(store, "t", B, started=False, shared=True)
+    # Then it is not dead (max_recoveries 0 would have made a counted death fatal), and isolated
+    assert (took.code, took.recoveries, took.isolate) == (Code.TAKEN_OVER, 0, True)
+    assert store.get("t").unstarted_recoveries == 1
+
+
+def test_uncertain_deaths_keep_a_bound(make_store):
+    # Given a task that shares every death (never run alone), max_recoveries 0: the bound is 4
+    store = make_store(max_recoveries=0)
+    codes, generation = [], 0
+    for owner in [A, B, A, B, A]:
+        _, claim = _die(store, "t", owner, shared=True, generation=generation)
+        codes.append(claim.code)
+        generation = claim.generation
+        if claim.code is Code.DEAD:
+            break
+    # Then it is recovered 4 times, then dead: nothing is recovered without end
+    assert codes == [Code.RECOVERED] * 4 + [Code.DEAD]
+
+
+def test_a_new_publish_of_a_finished_task_starts_without_isolation(make_store):
+    # Given a task isolated by an uncertain death, then finished
+    store = make_store(max_recoveries=1)
+    _, claim = _die(store, "t", A, shared=True, publish="p1")
+    acq = acquire(store, "t", B, generation=claim.generation, shared=True, publish="p1")
+    assert acq.isolate
+    store.finish("t", B, acq.token, "succeeded")
+    # When the task id is published again (a new run)
+    rerun = acquire(store, "t", A, shared=True, publish="p2")
+    # Then that run starts with a clean slate
+    assert rerun.owned and not rerun.isolate and not store.get("t").isolate
