@@ -37,7 +37,7 @@ $(VENV)/.has-package:
 test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
 	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 tests/
 
-# promtool checks and unit-tests monitoring/prometheus/ (tests/test_monitoring.py).
+# promtool checks and unit-tests monitoring/prometheus/ (tests/ops/test_monitoring.py).
 # It ships only in Debian's prometheus package (no PyPI or npm build of it);
 # policy-rc.d or no init system keeps the package's server from starting, and
 # if it did start, it is stopped: only the promtool binary is wanted.
@@ -106,7 +106,7 @@ chaos-short: venv
 	$(VENV)/bin/python -m chaos.run --seed $(SEED) --tasks 200 --duration 45 --workers 3 --mode both
 
 # -- adversarial scenarios -----------------------------------------------------
-# The scenarios of issue #14 on real redis-servers and real workers
+# The adversarial scenarios on real redis-servers and real workers
 # (tests/adversarial/, one module each): make test runs their quick forms; this
 # runs the long forms (20,000 tasks on two workers among them) and prints one
 # table of the same counts for every scenario (docs/chaos.md). Narrow it with

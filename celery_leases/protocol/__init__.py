@@ -2,5 +2,5 @@
 
 Importing this package (or any module in it) loads no ``celery.*`` or ``kombu.*`` module,
 so a web tier, a script or a test can read and change leases without Celery
-(tests/test_protocol_layer.py holds that). The Celery wiring lives outside it and calls in.
+(tests/protocol/test_protocol_layer.py holds that). The Celery wiring lives outside it and calls in.
 """
