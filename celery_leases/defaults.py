@@ -34,6 +34,9 @@ UNAVAILABLE_RETRY_DELAY = 5.0
 UNAVAILABLE_RETRY_MAX_DELAY = 300.0
 #: Deliveries of one task id a worker process admits per minute; later ones are postponed.
 DELIVERIES_PER_MINUTE = 20
+#: On a Redis broker with publish tracking on: whether a worker keeps the deliveries of tasks
+#: recorded at publish in memory only, without kombu's unacked hash (worker/held.py).
+HELD_DELIVERIES = True
 #: Whether workers run recovery passes themselves (one at a time) so recovery survives beat being down.
 WORKER_RECOVERY = True
 #: Whether install() adds the beat entry for celery_leases.recover; None (the default):

@@ -52,6 +52,8 @@ class LeaseConfig:
     unavailable_retry_max_delay: float = defaults.UNAVAILABLE_RETRY_MAX_DELAY
     deliveries_per_minute: int = defaults.DELIVERIES_PER_MINUTE
     worker_recovery: bool = defaults.WORKER_RECOVERY
+    #: Redis broker, tracking on: deliveries of recorded tasks held by their lease, not kombu's hash.
+    held_deliveries: bool = defaults.HELD_DELIVERIES
     #: None: add the beat entry only when worker_recovery is off (install.beat_entry_wanted).
     beat_schedule: bool | None = defaults.BEAT_SCHEDULE
     #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).

@@ -140,6 +140,7 @@ SETTINGS: dict[str, tuple[Callable[..., Any] | None, str]] = {
     "unavailable_retry_max_delay": (_seconds, _WORKER),
     "deliveries_per_minute": (_integer(1), _WORKER),
     "worker_recovery": (_boolean, _WORKER),
+    "held_deliveries": (_boolean, _WORKER),
     "beat_schedule": (_boolean, _WORKER),
 }
 
@@ -158,4 +159,5 @@ _DEFAULTS = {
     "unavailable_retry_max_delay": defaults.UNAVAILABLE_RETRY_MAX_DELAY,
     "deliveries_per_minute": defaults.DELIVERIES_PER_MINUTE,
     "worker_recovery": defaults.WORKER_RECOVERY, "beat_schedule": defaults.BEAT_SCHEDULE,
+    "held_deliveries": defaults.HELD_DELIVERIES,
 }

@@ -27,6 +27,7 @@ from ..protocol.clock import server_clock
 from ..config import get_config
 from ..exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from ..runtime import get_store, get_worker, set_worker
+from . import held
 from .fallback import FallbackRecovery
 from .isolation import Isolation, shares_process
 from .loop import LoopWatch
@@ -81,6 +82,10 @@ class LeaseStep(bootsteps.StartStopStep):
         if self.isolation is None and shares_process(w.pool):
             self.isolation = Isolation(w.pool)
             self.isolation.install()
+        # Before the consumer opens its channel: deliveries of recorded tasks held by their lease.
+        if config.held_deliveries and config.delivery_timeout and _redis_broker(w.app) and held.install():
+            logger.info("celery-leases: deliveries of tasks recorded at publish are held by their "
+                        "lease, not by kombu's unacked hash (leases_held_deliveries)")
         lease_worker = LeaseWorker(w.app, config, pool=w.pool, hostname=w.hostname, hub=hub,
                                    quick_release=getattr(w, "_quick_release", None),
                                    prefork=pool_module == "celery.concurrency.prefork", loop=loop,
@@ -110,6 +115,15 @@ class LeaseStep(bootsteps.StartStopStep):
     def terminate(self, w: Any) -> None:
         if self.lease_worker is not None:
             self.lease_worker.stop(unstarted=False)
+
+
+def _redis_broker(app: Any) -> bool:
+    """True when the app's broker is kombu's Redis transport (redis, rediss, sentinel, unix socket)."""
+    try:
+        transport = app.connection_for_read().transport
+    except Exception:  # noqa: BLE001 - an unusable broker URL is Celery's to report
+        return False
+    return type(transport).__module__ == "kombu.transport.redis"
 
 
 class HeartbeatStep(bootsteps.StartStopStep):
@@ -200,3 +214,4 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
         # The pool has finished: whatever is still held never started.
         worker.stop(unstarted=True)
         set_worker(app, None)
+    held.uninstall()

@@ -10,7 +10,7 @@ LEASES_TEST_HISTORY_URL: where tasks record their history (default: the lease st
 LEASES_TEST_PREFIX: key prefix (also the queue name);
 LEASES_TEST_DELIVERY_TIMEOUT: leases_delivery_timeout; unset, the product's default
 (publish tracking on); "0" turns tracking off (a test that does says why);
-LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, LEASES_TEST_SHARDS, ...: see create_app.
+LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, LEASES_TEST_SHARDS, LEASES_TEST_HELD, ...: see create_app.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_unavailable_retry_max_delay=float(get("LEASES_TEST_UNAVAILABLE_MAX_DELAY", "300")),
         leases_deliveries_per_minute=int(get("LEASES_TEST_DELIVERIES_PER_MINUTE", "20")),
         leases_dead_letter_queue=get("LEASES_TEST_DLQ") or None,
+        leases_held_deliveries=get("LEASES_TEST_HELD", "1") == "1",
         task_acks_late=acks_late,
         task_reject_on_worker_lost=acks_late,
         worker_prefetch_multiplier=int(get("LEASES_TEST_PREFETCH", "1")),
