@@ -39,6 +39,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_worker_recovery=False,
         # The default users get: each publish is recorded in the lease store (publish tracking).
         leases_delivery_timeout=float(get("LEASES_BENCH_DELIVERY_TIMEOUT", "600")),
+        # Lease-held deliveries (worker/held.py): on by default; LEASES_BENCH_HELD=0 for kombu's copy.
+        leases_held_deliveries=get("LEASES_BENCH_HELD", "1") == "1",
         # No remote control: its reply queues expire, and kombu then refreshes their
         # bindings with Lua scripts of its own every few seconds, which would be
         # counted with the lease scripts. Nothing per task changes.
