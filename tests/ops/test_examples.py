@@ -52,6 +52,18 @@ def test_the_quickstart_demo_loses_nothing_and_refuses_the_stale_outcome(redis_s
     assert re.search(r"^  accepted outcomes:\s+6 \(exactly one per task\)$", out, re.MULTILINE), out
     assert re.search(r"^  lost:\s+0$", out, re.MULTILINE), out
     assert "OK: lost = 0, exactly one accepted outcome per task" in out
+    # And what it says about beat is what its settings do: the workers recover, beat has no
+    # entry and is not started
+    import importlib.util
+    from celery_leases.config import get_config
+    spec = importlib.util.spec_from_file_location("quickstart_app", EXAMPLES / "quickstart" / "app.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    config = get_config(quickstart.app)
+    assert config.worker_recovery and quickstart.app.conf.beat_schedule == {}
+    assert (f"recovery: the workers run a pass every {config.recovery_interval:g}s "
+            f"(leases_worker_recovery); no beat entry, no celery beat needed") in out
+    assert "celery beat started" not in out and "beat running" not in out
     # And it told the story: A killed, B stopped then resumed, B's outcome refused
     assert "SIGKILL worker A, holding 2 task(s)" in out
     assert "SIGSTOP worker B, holding 2 task(s)" in out
