@@ -1,8 +1,9 @@
-"""Deterministic reproductions of the celery-leases bugs the chaos suite found.
+"""Deterministic checks of cases the chaos suite's random schedule reaches only by chance.
 
-Each one is the smallest setup that showed the bug on real workers and a real
-Redis, in about 15 s; both bugs are fixed and these keep them fixed.
-docs/chaos.md describes both.
+Each is the smallest setup that shows its case on a real worker and a real Redis, in
+about 15 s: the requests Celery drops on a broker reconnect release their leases, a
+threads worker's queued requests keep theirs, and a duplicate refused on the owner's own
+worker leaves the owner's lease renewed (docs/chaos.md, "Known limitations").
 """
 from __future__ import annotations
 
