@@ -6,7 +6,7 @@ command reads the app's ``leases_*`` settings, talks to the lease store (``ls
 (``--json``: JSON) and measures times on the Redis server's clock, like the
 scripts do. Errors are one line on stderr and a non-zero exit status: 1 (no
 such record, a failed publish, anything else; ``doctor``: findings), 69 (the
-lease store is unreachable); under ``--json`` that line is a JSON object, on
+lease store is unreachable), 78 (a configuration error, as a worker); under ``--json`` that line is a JSON object, on
 stderr too. A closed stdout (``| head``) ends a command quietly with status
 141, as SIGPIPE would. Passwords of the app's URLs never appear in output.
 """

@@ -23,6 +23,9 @@ logger = logging.getLogger("celery_leases.cli")
 
 #: Exit status when the lease store cannot be reached (sysexits EX_UNAVAILABLE, as Celery uses).
 EX_UNAVAILABLE = 69
+#: Exit status of a configuration error (a ``leases_*`` setting, the lease store's URL): sysexits
+#: EX_CONFIG, what a worker refused for the same error exits with.
+EX_CONFIG = 78
 #: ``ls --state`` choices: the six states, all finished ones, or every record.
 STATE_CHOICES = (*STATES, "finished", "all")
 #: Lifetime counters of ``LeaseStore.stats()`` (docs/design.md), shown as 0 until they first move.
@@ -125,6 +128,8 @@ def _command(fn: Callable) -> Callable:
             status, message, error = 1, str(exc), exc
         except LeaseUnavailable as exc:
             status, message, error = EX_UNAVAILABLE, str(exc), exc
+        except ConfigurationError as exc:
+            status, message, error = EX_CONFIG, str(exc), exc
         except (LeaseError, redis.RedisError, OSError) as exc:
             status, message, error = 1, str(exc) or type(exc).__name__, exc
         logger.debug("celery leases %s failed", ctx.info_name, exc_info=True)

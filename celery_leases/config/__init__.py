@@ -23,11 +23,11 @@ from typing import Any, Mapping
 
 from .. import defaults
 from ..protocol.connection import SCHEMES as _SCHEMES
-from ..protocol.connection import redact as _redact
 from ..protocol.connection import scheme as _scheme
 from ..protocol.connection import sentinel_params as _sentinel_params
 from ..exceptions import ConfigurationError
 from .rules import _CLIENT, _DEFAULTS, _NONE_IS_OFF, _WORKER, SETTINGS, TASK_OPTIONS, _Invalid
+from .urls import redis_url_error
 
 
 @dataclass(frozen=True)
@@ -233,19 +233,28 @@ def _build_config(app: Any, **overrides: Any) -> LeaseConfig:
         (client_errors if side == _CLIENT else worker_errors).append(message)
     redis_url = raw("redis_url") or _fallback_url(conf)
     options, source = _transport_options(conf, redis_url, raw("redis_transport_options"))
-    client_errors += _store_errors(redis_url, options, source)
+    client_errors += _store_errors(redis_url, options, source, _url_setting(conf, raw("redis_url"), redis_url))
     if client_errors:
         raise _error(client_errors)
     return LeaseConfig(redis_url=redis_url, redis_transport_options=options,
                        transport_options_setting=source, worker_errors=tuple(worker_errors), **values)
 
 
-def _store_errors(url: Any, options: Any, source: str) -> list[str]:
-    """The lease store's URL and transport options: a Redis URL, a dict, a complete Sentinel setup."""
-    scheme = _scheme(url) if isinstance(url, str) else ""
-    if scheme not in _SCHEMES:
-        return [f"leases_redis_url must be a Redis URL ({', '.join(s + '://' for s in _SCHEMES)}), "
-                f"got {_redact(url)!r}"]
+def _url_setting(conf: Any, explicit: Any, url: Any) -> str:
+    """The setting the lease store's URL came from, as error messages name it."""
+    fallback = next((n for n in ("broker_url", "result_backend") if conf.get(n) == url), None)
+    if explicit or fallback is None:
+        return "leases_redis_url"
+    return f"{fallback} (the lease store's URL while leases_redis_url is not set)"
+
+
+def _store_errors(url: Any, options: Any, source: str, setting: str = "leases_redis_url") -> list[str]:
+    """The lease store's URL and transport options: a Redis URL (``urls.py``, the one rule),
+    a dict, a complete Sentinel setup."""
+    url_error = redis_url_error(url, setting)
+    if url_error is not None:
+        return [url_error]
+    scheme = _scheme(url)
     if not isinstance(options, Mapping):
         return [f"{source} must be a dict, got {type(options).__name__}"]
     if scheme == "sentinel":

@@ -3,8 +3,9 @@
 One place decides what a URL means, so the worker, the CLI, the startup
 checks and ``LeaseStore.from_url`` all connect the same way:
 
-- ``redis://``, ``rediss://`` (TLS), ``unix://``: one server (redis-py's own
-  URL parsing: ACL user and password, ``db``, ``ssl_*`` query options);
+- ``redis://``, ``rediss://`` (TLS), ``unix://`` (``redis+socket://``, kombu's
+  name for it): one server (redis-py's own URL parsing: ACL user and password,
+  ``db``, ``ssl_*`` query options);
 - ``sentinel://``: the master a set of Sentinels names (see ``_sentinel``);
 - ``redis+cluster://``, ``rediss+cluster://``: a Redis Cluster (see ``_cluster``).
 
@@ -25,6 +26,8 @@ __all__ = ["connect", "redact", "describe", "SCHEMES"]
 
 
 def _single(url: str, options: Mapping[str, Any], kwargs: dict) -> Any:
+    if scheme(url) == "redis+socket":  # kombu's name for a Unix socket; redis-py knows unix://
+        url = "unix://" + url.split("://", 1)[1]
     return redis.Redis.from_url(url, **kwargs)
 
 

@@ -266,10 +266,13 @@ def test_a_worker_whose_lease_store_never_answers_exits_with_one_line(env, redis
 
 def test_a_lease_store_url_that_does_not_parse_stops_the_worker_in_one_line(env, redis_client, key_prefix,
                                                                           tmp_path):
-    env = {**env, "MISUSE_LEASES_URL": "redis://:s3cret@127.0.0.1:port/0"}
-    queue_leased_task({**env, "MISUSE_LEASES_URL": env["MISUSE_BROKER"]})
+    # (set after install(app), as a later config_from_object brings it: install() would refuse it
+    # at import, tests/ops/test_redis_urls.py)
+    queue_leased_task(env)
+    env = {**env, "MISUSE_LATE_SETTINGS": json.dumps({"leases_redis_url": "redis://:s3cret@127.0.0.1:port/0"})}
     code, log = refused(env, tmp_path)
-    assert_refused_once(code, log, EX_CONFIG, "leases_redis_url redis://:***@127.0.0.1:port/0 is not a valid URL")
+    assert_refused_once(code, log, EX_CONFIG, "leases_redis_url must be a Redis URL (",
+                        "the port must be a number from 1 to 65535", "got 'redis://:***@127.0.0.1:port/0'")
     assert "s3cret" not in log
     assert ran(redis_client, key_prefix) == [] and queued(redis_client, key_prefix) == 1
 

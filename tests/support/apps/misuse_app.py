@@ -3,6 +3,8 @@
 MISUSE_BROKER / MISUSE_LEASES_URL: URLs; MISUSE_PREFIX: key prefix and queue;
 MISUSE_INSTALL: "0" leaves out celery_leases.install(app);
 MISUSE_SETTINGS: JSON of extra app.conf settings (e.g. a broken leases_* one);
+MISUSE_LATE_SETTINGS: JSON of app.conf settings set after install(app), as a later
+config_from_object (Django settings) brings them: install() cannot see them, the worker does;
 MISUSE_TASK_OPTIONS: JSON of options for the ``configured`` LeasedTask;
 MISUSE_PLAIN_OPTIONS: JSON of options for the ``plain`` task (not leased).
 Every task body records its start in the ``{prefix}:ran`` list, so a test can
@@ -38,6 +40,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     })
     if get("MISUSE_INSTALL", "1") == "1":
         celery_leases.install(app)
+    app.conf.update(json.loads(get("MISUSE_LATE_SETTINGS", "{}")))
     sink = redis.Redis.from_url(broker)
 
     def ran(name: str, task_id: str, token: object = None) -> None:
