@@ -1,4 +1,4 @@
-"""The adversarial suite: the scenarios of issue #14 as scripted runs on real processes.
+"""The adversarial suite: one scripted run on real processes per weakness (issue #14's list).
 
 One module per scenario (``test_<name>.py``), each with ``scenario(run, long)``
 returning the same counts (``runner.Counts``); a quick form of each runs under

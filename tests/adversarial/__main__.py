@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.adversarial.runner import Counts, table
 
-#: Module names, in the order of issue #14: the defects first, then the ones that held.
+#: Module names, in the order of their rows in the printed table (docs/chaos.md).
 SCENARIOS = (
     "malformed_ids", "finish_timed_out", "poison_pill_threads", "broker_death_after_success",
     "skewed_clocks", "store_restarted_empty", "revoke_terminate", "prefetched_after_pause",

@@ -1,5 +1,4 @@
-"""Issue #14 item 4: the broker dies while link callbacks are sent after an accepted success
-(needs H6's fix).
+"""Issue #14 item 4: the broker dies while link callbacks are sent after an accepted success.
 
 Given tasks with a link callback, the broker on its own redis-server (AOF on); when the
 broker is killed just before the bodies return and comes back 20 s later (past the
@@ -14,7 +13,7 @@ import time
 from tests.adversarial.runner import Counts, Run
 
 NAME = "broker-death-after-success"
-DEPENDS = "H6 (an accepted success whose callbacks could not be sent is recovered or reported)"
+DEPENDS = "callbacks of an accepted success sent by the task, with bounded retries, or reported"
 
 
 def scenario(directory, long: bool = False) -> Counts:

@@ -1,4 +1,4 @@
-"""Issue #14 item 2: a finish that timed out under a SIGSTOPped store (needs H4's fix).
+"""Issue #14 item 2: a finish that timed out under a SIGSTOPped store.
 
 Given the lease store on its own redis-server and tasks about to finish; when that server
 is SIGSTOPped for 6 s (far longer than the finish's tries at the store's 0.5 s socket
@@ -14,7 +14,7 @@ import time
 from tests.adversarial.runner import Counts, Run, pause, wait_until
 
 NAME = "finish-timed-out"
-DEPENDS = "H4 (a finish whose reply was lost is settled by reading the record back)"
+DEPENDS = "a finish whose reply was lost is settled by asking again (protocol/settle.py)"
 
 
 def scenario(directory, long: bool = False) -> Counts:

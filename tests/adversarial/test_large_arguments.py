@@ -1,4 +1,4 @@
-"""Held in issue #14: 10 MB arguments.
+"""Issue #14, a case that must hold: 10 MB arguments.
 
 Given tasks whose argument is 10 MB (the lease record keeps the message to re-publish);
 when they run on prefork and threads workers; then each is accepted once with the right

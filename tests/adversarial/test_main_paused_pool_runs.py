@@ -1,4 +1,4 @@
-"""Held in issue #14: a worker's main process paused while its pool keeps running.
+"""Issue #14, a case that must hold: a worker's main process paused while its pool keeps running.
 
 Given worker A (prefork) running tasks with link callbacks, worker B idle; when only A's
 main process is SIGSTOPped past the ttl (its children finish their bodies, unrenewed) and

@@ -1,4 +1,4 @@
-"""Issue #14 item 1 and #15 item 2: malformed messages in the task stream (needs H1's fix).
+"""Issue #14 item 1 and #15 item 2: malformed messages in the task stream.
 
 Given a prefork worker taking ordinary tasks; when messages any client could send arrive
 among them (an ``id`` that is null, a float, a string with a lone surrogate; a
@@ -12,7 +12,7 @@ import uuid
 from tests.adversarial.runner import Counts, Run
 
 NAME = "malformed-ids"
-DEPENDS = "H1 (malformed ids/headers refused before the acquirer pipeline)"
+DEPENDS = "malformed ids and headers parked at receipt, before the acquirer"
 
 MALFORMED = (
     {"id": None},

@@ -1,4 +1,4 @@
-"""Issue #14 item 3: a poison pill on the threads pool, with innocents (needs H6's fix).
+"""Issue #14 item 3: a poison pill on the threads pool, with innocents.
 
 Given a threads worker (one thread, prefetch 4) with innocents prefetched behind a task
 that SIGKILLs its whole worker each time it runs, and a supervisor that restarts the
@@ -15,7 +15,7 @@ import time
 from tests.adversarial.runner import Counts, Run
 
 NAME = "poison-pill-threads"
-DEPENDS = "H6 (only a lease that was running when its worker died counts a recovery)"
+DEPENDS = "only a lease that was running when its worker died counts a recovery (docs/recovery.md)"
 
 
 def scenario(directory, long: bool = False) -> Counts:

@@ -1,4 +1,4 @@
-"""Issue #14 item 7: prefetched copies after a paused main process (needs H6's fix).
+"""Issue #14 item 7: prefetched copies after a paused main process.
 
 Given worker A (prefork, one process, prefetch 4) running a long task with four more
 prefetched and leased, and worker B idle; when A's main process is SIGSTOPped past the
@@ -13,7 +13,7 @@ from celery_leases.testing import wait_for_lease
 from tests.adversarial.runner import Counts, Run, wait_until
 
 NAME = "prefetched-after-pause"
-DEPENDS = "H6 (a resumed worker drops prefetched copies whose lease it lost)"
+DEPENDS = "a resumed worker checks a long-held request's lease before its body starts"
 
 
 def scenario(directory, long: bool = False) -> Counts:

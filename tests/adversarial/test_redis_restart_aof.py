@@ -1,4 +1,4 @@
-"""Held in issue #14: one Redis (broker, results and leases) restarted with AOF on.
+"""Issue #14, a case that must hold: one Redis (broker, results and leases) restarted with AOF on.
 
 Given two workers (prefork, threads) running a stream of tasks on one Redis with
 ``appendfsync always``; when that Redis is stopped and started again mid-stream;

@@ -1,5 +1,4 @@
-"""Issue #14 item 7 and #15 item 8: ``revoke(id, terminate=True)`` of a running task
-(needs H5's fix).
+"""Issue #14 item 7 and #15 item 8: ``revoke(id, terminate=True)`` of a running task.
 
 Given a prefork worker running a long task beside ordinary ones; when the long task is
 revoked with ``terminate=True``; then its waiter gets REVOKED, the lease says revoked, no
@@ -12,7 +11,7 @@ from __future__ import annotations
 from tests.adversarial.runner import Counts, Run, wait_until
 
 NAME = "revoke-terminate"
-DEPENDS = "H5 (revoke as one script; no spurious refusal on terminate)"
+DEPENDS = "revoke as one script (revoke.lua); terminate recorded as a revoke, not a refused outcome"
 
 
 def scenario(directory, long: bool = False) -> Counts:

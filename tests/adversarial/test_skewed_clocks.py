@@ -1,11 +1,11 @@
-"""Issue #14 item 5 and "held": workers an hour fast and an hour slow (the ETA part needs H1's fix).
+"""Issue #14 item 5: workers an hour fast and an hour slow.
 
 Workers run under libfaketime with only the wall clock skewed (tests/support/skew.py).
 
-1. Leases (held): given workers +1h, -1h and correct running tasks side by side; then
+1. Leases: given workers +1h, -1h and correct running tasks side by side; then
    every active lease's deadline is the Redis server's time plus the ttl, and each task
    is accepted once.
-2. Re-queue ETAs (H1): given the fast worker alone while the lease store is down, so it
+2. Re-queue ETAs: given the fast worker alone while the lease store is down, so it
    re-queues its deliveries for later; when it shuts down warmly (its held copies go back
    to the queue) and the correct and slow workers take over as the store returns; then
    the copies run within seconds, not an hour later.
@@ -21,7 +21,7 @@ from tests.adversarial.runner import Counts, Run, log_count, wait_until
 from tests.support.skew import skewed_env
 
 NAME = "skewed-clocks"
-DEPENDS = "H1 (re-queue ETAs from the Redis server clock); the lease part holds on main"
+DEPENDS = "leases on the Redis server's clock, and re-queue ETAs from it (celery_leases/protocol/clock.py)"
 
 
 def scenario(directory, long: bool = False) -> Counts:

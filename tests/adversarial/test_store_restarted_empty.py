@@ -1,5 +1,4 @@
-"""Issue #14 item 6: outcomes that finish just after the lease store restarted empty
-(needs H4's fix).
+"""Issue #14 item 6: outcomes that finish just after the lease store restarted empty.
 
 Given the lease store on its own redis-server without persistence and tasks running;
 when that server restarts (empty) a moment before the bodies end, before the heartbeat
@@ -13,7 +12,7 @@ import time
 from tests.adversarial.runner import Counts, Run
 
 NAME = "store-restarted-empty"
-DEPENDS = "H4 (a finish after an empty restart re-asserts the live lease)"
+DEPENDS = "a finish after an empty restart re-asserts the live lease (reassert.lua)"
 
 
 def scenario(directory, long: bool = False) -> Counts:

@@ -1,4 +1,4 @@
-"""Held in issue #14: 20,000 tasks on two workers (long form; the quick form sends 400).
+"""Issue #14, a case that must hold: 20,000 tasks on two workers (long form; the quick form sends 400).
 
 Given two workers (prefork and threads) and a burst of short tasks; then every task is
 accepted once, and once retention passes nothing is left behind in the lease store.

@@ -55,7 +55,7 @@ def test_a_death_while_running_alone_is_the_tasks_own(make_store):
 
 
 def test_a_pool_of_one_task_per_process_keeps_its_exact_blame(make_store):
-    # Given prefork or solo (not shared): a started lease's death is its own, as before
+    # Given prefork or solo (not shared): a started lease's death is its own
     store = make_store(max_recoveries=1)
     _, first = _die(store, "p", A, shared=False)
     assert (first.recoveries, store.get("p").isolate) == (1, False)
@@ -77,7 +77,7 @@ def test_an_unmarked_death_isolates_the_task_so_its_next_death_is_exact(make_sto
     (claim,) = store.claim_expired(ids=["quick"])
 
     # Then that death counts: with max_recoveries 0 the task is dead after one own death,
-    # not after the 4 * (0 + 1) unstarted ones it used to get
+    # not after the 4 * (0 + 1) uncertain ones an unmarked run is allowed
     assert claim.code is Code.DEAD
 
 
