@@ -118,7 +118,7 @@ class LeasedRequest(Request):
         A lost reply is settled by sending the finish again (settle.py), as in
         the pool process, but for at most MAIN_PROCESS_BOUND seconds (or the
         heartbeat interval, if shorter): this runs in the worker's event loop,
-        which then waits no longer than it did for one call. Past that the
+        which then waits no longer than one call may take. Past that the
         outcome is withheld and no copy can apply any more; recovery re-runs
         the task.
         """

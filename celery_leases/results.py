@@ -4,7 +4,7 @@ Celery stores a success in three round trips after the body returns (a GET of
 the old result, then SET + PUBLISH). When the result backend is Celery's Redis
 backend on the very server and database of the lease store, the finish script
 can write that same record itself: the accepted outcome and its result then
-land atomically (a process dying in between can no longer leave a finished
+land atomically (a process dying in between cannot leave a finished
 lease without a result), a refused one writes nothing, and the task costs one
 round trip instead of four. Celery is then told the result is already stored
 (``request.ignore_result``), so ``mark_as_done`` writes nothing more but still

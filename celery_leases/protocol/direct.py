@@ -7,7 +7,7 @@ taken from the pool and checked with a system call, the command packed, the
 reply parsed and passed through the response callbacks. Here the command is
 packed and the reply parsed with wire.py on a connection held for the
 process, which the store's own client opened (so TLS, AUTH, SELECT and
-Sentinel's current master are redis-py's business, as before).
+Sentinel's current master are redis-py's business, as on any of its connections).
 
 Rules that keep it as safe as redis-py:
 

@@ -16,8 +16,8 @@ master); the commands and replies then go over its socket directly
 (protocol/wire.py), since one read may bring several replies.
 
 Everything here runs in the loop's thread: no locks, and no second thread
-competing with the loop for the GIL (a first version with a sending thread
-cost the loop more CPU than the round trip it saved).
+competing with the loop for the GIL (a sending thread, measured, cost the
+loop more CPU than the round trip it saves: bench/HISTORY.md).
 
 Not used where the loop thread runs task bodies (solo pool): a reply could
 then wait a whole body long, and the lease expire unrenewed meanwhile.
@@ -115,7 +115,7 @@ class Acquirer:
         acquire awaits its reply (as Nagle's algorithm does for TCP), or,
         for at most ``max_hold`` seconds, while ``busy()`` says the pool has
         enough tasks ready to start. What is held goes out as one script
-        call. An idle worker waits no longer than before; a busy one makes
+        call. An idle worker's acquire goes out at once; a busy one makes
         one call, one write and one read for several acquires.
         """
         try:

@@ -13,8 +13,8 @@
   A finished (succeeded or failed) record is run again by a new publish of the
   task id: a first attempt (generation 0, retries 0) whose publish id is neither
   the record's nor one of the earlier ones it remembers (the last 16, fields
-  "p:0".."p:15"); a copy of a publish that already held the lease is refused as
-  before (publish.py).
+  "p:0".."p:15"); a copy of a publish that already held the lease is refused
+  (FINISHED, or STALE; publish.py).
   A task revoked while an owner ran it (revoke.lua left revoke_requested) is never run
   again: the delivery that would have been the next owner ends the lease revoked.
   (An owner whose record vanished re-creates it with reassert.lua, not here.)
