@@ -48,3 +48,10 @@ CALLBACK_SEND_ATTEMPTS = 8
 #: Seconds before the second try; doubled after each failed try, up to CALLBACK_SEND_MAX_DELAY.
 CALLBACK_SEND_DELAY = 0.5
 CALLBACK_SEND_MAX_DELAY = 10.0
+#: Port of the worker's HTTP endpoint (/livez, /readyz, /metrics; worker/health.py); None: off.
+HTTP_PORT = None
+#: Address the worker's HTTP endpoint binds to: every interface, as a container's probes need.
+HTTP_HOST = "0.0.0.0"
+#: File whose modification time the worker sets every second while it is live, for exec
+#: probes; None: off.
+HEALTH_FILE = None

@@ -1,20 +1,33 @@
 """Prometheus metrics fed by celery-leases' signals (extra: ``celery-leases[prometheus]``).
 
     from celery_leases.metrics import enable_prometheus
-    enable_prometheus(app)      # once per process, e.g. next to install(app)
+    app.conf.leases_http_port = 9808   # the worker serves /metrics (and /livez, /readyz) here
+    enable_prometheus(app)             # in the app module, next to install(app)
 
-Counters count what the signals report **in this process**: acquisitions,
-renewals and lost leases happen in a worker's main process; refusals in the
-process that ran the task (a prefork pool child, or the main process for
-Celery's own writes); recoveries and dead tasks wherever the recovery pass
-ran (a worker's fallback thread, or the pool child running beat's
-``celery_leases.recover`` task). Under prefork, use prometheus_client's
-multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``) so the children's counts are
-exported too. Cluster-wide lifetime totals are in Redis: ``celery leases stats``.
+``enable_prometheus`` starts no server: it connects the signals and hands the
+metrics to the worker's HTTP endpoint (worker/health.py), which only a
+worker's main process serves. So the call is safe where every process runs it
+(the app module: the CLI, beat, a web tier).
+
+Counters count what the signals report **in the process they happen in**:
+acquisitions, renewals and lost leases in a worker's main process; refusals in
+the process that ran the task (a prefork pool child, or the main process for
+Celery's own writes); recoveries and dead tasks wherever the recovery pass ran
+(a worker's fallback thread, or the pool child running beat's
+``celery_leases.recover`` task). Under prefork the worker switches
+prometheus_client to its multiprocess mode before the pool forks
+(``prepare_worker``): each process writes its values to a directory of its
+own (``PROMETHEUS_MULTIPROC_DIR`` if set, else a temporary one removed at
+shutdown), and ``/metrics`` serves their sum. Cluster-wide lifetime totals are
+in Redis: ``celery leases stats``.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import weakref
 from typing import Any
@@ -25,11 +38,15 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
     raise ImportError(
         "celery_leases.metrics needs the prometheus-client package: "
         "pip install 'celery-leases[prometheus]'") from exc
+from prometheus_client import values as prometheus_values
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from .protocol.codes import OUTCOMES, Code
 from .signals import (callbacks_failed, delivery_parked, heartbeat_ticked, lease_acquired, lease_dead, lease_lost,
                       lease_recovered, leases_renewed, recovery_pass, stale_outcome_rejected,
                       result_written_by_recovery, undelivered_republished)
+from .worker.health import set_exporter
 
 __all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS", "RENEW_BUCKETS"]
 
@@ -57,8 +74,32 @@ class LeaseMetrics:
 
     def __init__(self, app: Any, registry: Any = None, namespace: str = "celery_leases") -> None:
         self.app = app
-        registry = prometheus_client.REGISTRY if registry is None else registry
-        kw = {"namespace": namespace, "registry": registry}
+        self._registry = prometheus_client.REGISTRY if registry is None else registry
+        self._namespace = namespace
+        #: The multiprocess directory /metrics reads (prepare_worker), and the one this
+        #: process made (removed by worker_stopped).
+        self._multiprocess_dir: str | None = None
+        self._own_dir: str | None = None
+        self._owner_pid = os.getpid()
+        self._served: Any = None
+        self._build()
+        self._receivers = [
+            (lease_acquired, self._on_acquired), (leases_renewed, self._on_renewed),
+            (lease_lost, self._on_lost), (lease_recovered, self._on_recovered),
+            (lease_dead, self._on_dead), (stale_outcome_rejected, self._on_refused),
+            (delivery_parked, self._on_parked),
+            (callbacks_failed, self._on_callback_failed),
+            (undelivered_republished, self._on_undelivered),
+            (result_written_by_recovery, self._on_result_written),
+            (heartbeat_ticked, self._on_tick), (recovery_pass, self._on_recovery_pass),
+        ]
+        for signal, receiver in self._receivers:
+            signal.connect(receiver, weak=False)
+        set_exporter(app, self)
+
+    def _build(self) -> None:
+        """Create the collectors in the registry (again, once the value class changed)."""
+        kw: dict[str, Any] = {"namespace": self._namespace, "registry": self._registry}
         C, H = prometheus_client.Counter, prometheus_client.Histogram
         self.acquired = C("acquired", "Deliveries that became the lease owner (taken_over: the "
                           "previous owner had expired).", ["taken_over"], **kw)
@@ -102,32 +143,63 @@ class LeaseMetrics:
             self.refused.labels(outcome=outcome)
         for result in RECOVERY_PASS_RESULTS:
             self.recovery_passes.labels(result=result)
-        self._registry = registry
-        self._receivers = [
-            (lease_acquired, self._on_acquired), (leases_renewed, self._on_renewed),
-            (lease_lost, self._on_lost), (lease_recovered, self._on_recovered),
-            (lease_dead, self._on_dead), (stale_outcome_rejected, self._on_refused),
-            (delivery_parked, self._on_parked),
-            (callbacks_failed, self._on_callback_failed),
-            (undelivered_republished, self._on_undelivered),
-            (result_written_by_recovery, self._on_result_written),
-            (heartbeat_ticked, self._on_tick), (recovery_pass, self._on_recovery_pass),
-        ]
-        for signal, receiver in self._receivers:
-            signal.connect(receiver, weak=False)
 
-    def disable(self) -> None:
-        """Disconnect the receivers and unregister the collectors."""
-        for signal, receiver in self._receivers:
-            signal.disconnect(receiver)
+    def _unregister(self) -> None:
         for collector in self._collectors:
             try:
                 self._registry.unregister(collector)
             except KeyError:
                 pass
+
+    def disable(self) -> None:
+        """Disconnect the receivers and unregister the collectors."""
+        for signal, receiver in self._receivers:
+            signal.disconnect(receiver)
+        self._unregister()
         with _lock:
             if _enabled.get(self.app) is self:
                 del _enabled[self.app]
+        set_exporter(self.app, None)
+
+    # -- the worker's /metrics (worker/health.py) ------------------------------
+
+    def prepare_worker(self, prefork: bool) -> None:
+        """In the worker's main process, before the pool forks: under prefork (or wherever
+        ``PROMETHEUS_MULTIPROC_DIR`` is set), prometheus_client's multiprocess mode, so that
+        /metrics sums the counts of every pool process."""
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+        if not path and not prefork:
+            return  # one process: the registry as it is
+        if not path:
+            path = self._own_dir = tempfile.mkdtemp(prefix="celery-leases-prometheus-")
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = path   # the pool processes inherit it
+            atexit.register(self.worker_stopped)
+        if not getattr(prometheus_values.ValueClass, "_multiprocess", False):
+            # prometheus_client chose its value class at import, before the directory was set:
+            # values created from now on (ours, rebuilt now; the pool's) are kept in its files.
+            prometheus_values.ValueClass = prometheus_values.MultiProcessValue()
+            self._unregister()
+            self._build()
+        self._multiprocess_dir = path
+        self._served = prometheus_client.CollectorRegistry()
+        MultiProcessCollector(self._served, path=path)
+        logger.info("celery-leases: Prometheus multiprocess mode: the pool processes' metrics are "
+                    "kept in %s%s and summed by /metrics", path,
+                    " (removed at shutdown)" if self._own_dir else " (PROMETHEUS_MULTIPROC_DIR)")
+
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """The metrics as /metrics serves them (OpenMetrics if ``accept`` asks for it)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self._served if self._served is not None else self._registry), content_type
+
+    def worker_stopped(self) -> None:
+        """Remove the multiprocess directory this worker made (its pool is gone)."""
+        path, self._own_dir = self._own_dir, None
+        if path is None or os.getpid() != self._owner_pid:
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") == path:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
     # -- receivers ----------------------------------------------------------
 
@@ -195,9 +267,12 @@ class LeaseMetrics:
 def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celery_leases") -> LeaseMetrics:
     """Export celery-leases' signals of ``app`` as Prometheus metrics in ``registry``.
 
-    ``registry`` defaults to prometheus_client's global ``REGISTRY`` (serve it
-    with ``prometheus_client.start_http_server(port)``). Calling it again for
-    the same app returns the metrics already enabled. Metric names:
+    ``registry`` defaults to prometheus_client's global ``REGISTRY``. Starts no
+    server: a worker whose ``leases_http_port`` is set serves the metrics on
+    ``/metrics`` from its main process (under prefork summed over its pool
+    processes), so the call belongs in the app module, where every process
+    (workers, the CLI, beat) runs it. Calling it again for the same app returns
+    the metrics already enabled. Metric names:
     ``<namespace>_acquired_total{taken_over}``, ``_renewed_total``,
     ``_lost_total{reason}``, ``_recovered_total``, ``_dead_total``,
     ``_refused_total{outcome}``, ``_parked_total{field}``, ``_callbacks_failed_total``,

@@ -56,6 +56,11 @@ class LeaseConfig:
     held_deliveries: bool = defaults.HELD_DELIVERIES
     #: None: add the beat entry only when worker_recovery is off (install.beat_entry_wanted).
     beat_schedule: bool | None = defaults.BEAT_SCHEDULE
+    #: The worker's HTTP endpoint (worker/health.py): its port (None: off) and bind address.
+    http_port: int | None = defaults.HTTP_PORT
+    http_host: str = defaults.HTTP_HOST
+    #: A file the worker touches every second while it is live (exec probes); None: off.
+    health_file: str | None = defaults.HEALTH_FILE
     #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).
     redis_transport_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     #: The setting redis_transport_options came from, for error messages.

@@ -6,6 +6,7 @@ message states the rule; ``celery_leases.config`` applies them and names the set
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 from .. import defaults
@@ -112,6 +113,38 @@ def _queue_name(value: Any, strict: bool = False) -> str | None:
     return value
 
 
+def _port(value: Any, strict: bool = False) -> int | None:
+    if value is None:
+        return None
+    rule = "must be None (off) or a TCP port: an integer from 1 to 65535"
+    if isinstance(value, bool) or not isinstance(value, int if strict else (int, str)):
+        raise _Invalid(rule)
+    try:
+        result = int(value)
+    except ValueError:
+        raise _Invalid(rule) from None
+    if not 1 <= result <= 65535:
+        raise _Invalid(rule)
+    return result
+
+
+def _host(value: Any, strict: bool = False) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() or not c.isprintable() for c in value):
+        raise _Invalid("must be an address to bind to: a non-empty string without whitespace "
+                       "(\"0.0.0.0\", \"127.0.0.1\", \"::\", a host name)")
+    return value
+
+
+def _optional_path(value: Any, strict: bool = False) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise _Invalid("must be None (off) or a file path: a non-empty string")
+    return value
+
+
 _CLIENT, _WORKER = "client", "worker"
 
 #: Every ``leases_*`` setting (without the prefix): its rule, and who uses it.
@@ -142,6 +175,9 @@ SETTINGS: dict[str, tuple[Callable[..., Any] | None, str]] = {
     "worker_recovery": (_boolean, _WORKER),
     "held_deliveries": (_boolean, _WORKER),
     "beat_schedule": (_boolean, _WORKER),
+    "http_port": (_port, _WORKER),
+    "http_host": (_host, _WORKER),
+    "health_file": (_optional_path, _WORKER),
 }
 
 #: Settings whose value None, written explicitly, turns the feature off (unset: the default).
@@ -160,4 +196,5 @@ _DEFAULTS = {
     "deliveries_per_minute": defaults.DELIVERIES_PER_MINUTE,
     "worker_recovery": defaults.WORKER_RECOVERY, "beat_schedule": defaults.BEAT_SCHEDULE,
     "held_deliveries": defaults.HELD_DELIVERIES,
+    "http_port": defaults.HTTP_PORT, "http_host": defaults.HTTP_HOST, "health_file": defaults.HEALTH_FILE,
 }

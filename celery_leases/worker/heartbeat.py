@@ -207,6 +207,13 @@ class Heartbeat:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool | None:
+        """None before ``start()``; then whether the renewal thread still runs (health.py)."""
+        if self._thread is None:
+            return None
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sleeping_for = self.interval

@@ -2,9 +2,12 @@
 
 Thin on purpose, in the shape of Celery's own ``worker/consumer/heart.py``:
 each step is an on/off switch and an ordering, and hands its service what it
-needs. What the services do is in service.py, heartbeat.py, fallback.py and
-receipt.py.
+needs. What the services do is in service.py, heartbeat.py, fallback.py,
+receipt.py and health.py.
 
+- ``HealthStep`` (worker): the HTTP probes and the health file (health.py), when
+  ``leases_http_port`` or ``leases_health_file`` is set; ``LeaseStep`` requires it, so it
+  is registered with it and started before it;
 - ``LeaseStep`` (worker): builds the ``LeaseWorker`` once the pool exists and
   starts it, blocking the worker's start until the store answers;
 - ``HeartbeatStep`` (worker): starts the renewal thread;
@@ -22,6 +25,7 @@ from typing import Any
 from celery import bootsteps
 from celery import current_app
 from celery.signals import task_received, worker_process_init, worker_shutdown
+from celery.worker.components import Pool
 
 from ..protocol.clock import server_clock
 from ..config import get_config
@@ -29,6 +33,7 @@ from ..exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from ..runtime import get_store, get_worker, set_worker
 from . import held
 from .fallback import FallbackRecovery
+from .health import Health
 from .isolation import Isolation, shares_process
 from .loop import LoopWatch
 from .service import LeaseWorker
@@ -36,17 +41,62 @@ from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured,
 
 logger = logging.getLogger("celery_leases.worker")
 
-__all__ = ["LeaseStep", "HeartbeatStep", "RecoveryStep", "LeaseConsumerStep"]
+__all__ = ["HealthStep", "LeaseStep", "HeartbeatStep", "RecoveryStep", "LeaseConsumerStep"]
 
 #: Pools whose event loop does not run task bodies: there the acquire is sent without waiting.
 _ASYNC_ACQUIRE_POOLS = ("celery.concurrency.prefork", "celery.concurrency.thread")
+
+
+class HealthStep(bootsteps.StartStopStep):
+    """Worker bootstep: ``/livez``, ``/readyz``, ``/metrics`` and the health file (health.py).
+
+    Built once the pool exists but before it forks (prefork's metrics need that), started
+    before ``LeaseStep`` so that probes answer while the worker waits for the lease store,
+    and stopped at ``worker_shutdown``, once the pool is gone: a warm shutdown that waits
+    for running tasks still answers its probes.
+    """
+
+    label = "Leases health"
+    # The class, not its name: a step only another step requires is never given its names'
+    # classes by Celery (bootsteps.Blueprint._firstpass).
+    requires = (Pool,)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        super().__init__(w, **kwargs)
+        self.health: Health | None = None
+
+    def create(self, w: Any) -> "HealthStep":
+        try:
+            config = get_config(w.app)
+            if config.http_port is not None or config.health_file is not None:
+                self.health = Health(w.app, w, config,
+                                     prefork=type(w.pool).__module__ == "celery.concurrency.prefork")
+        except ConfigurationError:
+            pass  # LeaseStep's start reports it and stops the worker
+        except Exception:  # noqa: BLE001 - nothing may raise in a create; the worker runs without probes
+            logger.exception("celery-leases: the health probes could not be set up; the worker runs without them")
+        return self
+
+    def start(self, w: Any) -> None:
+        if self.health is not None:
+            self.health.start()
+            worker_shutdown.connect(self._on_worker_shutdown, sender=w, weak=False)
+
+    def stop(self, w: Any) -> None:
+        pass  # at worker_shutdown: probes answer while the pool finishes its tasks
+
+    terminate = stop
+
+    def _on_worker_shutdown(self, sender: Any = None, **kwargs: Any) -> None:
+        if self.health is not None:
+            self.health.stop()
 
 
 class LeaseStep(bootsteps.StartStopStep):
     """Worker bootstep: builds the LeaseWorker and starts it."""
 
     label = "Leases"
-    requires = ("celery.worker.components:Pool",)
+    requires = ("celery.worker.components:Pool", HealthStep)
 
     def __init__(self, w: Any, **kwargs: Any) -> None:
         super().__init__(w, **kwargs)
