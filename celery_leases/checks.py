@@ -1,10 +1,18 @@
-"""Start-up checks: settings of Redis and Celery that quietly weaken the lease guarantees.
+"""Findings about a deployment, each with its one severity; the start-up checks that find most.
 
-``LeaseWorker.start()`` runs them once the lease store answers. Each problem
-is logged at WARNING on ``celery_leases.checks`` and never stops the worker;
-a check that cannot run (``CONFIG`` or ``INFO`` refused by an ACL, or renamed
-away on a managed Redis) is logged at INFO as skipped. ``run_checks`` returns
-the findings, so they are testable and a deployment script can use them.
+``FINDINGS`` is the one place a finding's severity is decided: the worker's
+start-up checks log each finding at it (ERROR or WARNING on
+``celery_leases.checks``), and ``celery leases doctor`` reports it at it
+(doctor.py builds its lines from the same table). docs/operations.md lists
+them ("Findings and their severities"; a test keeps the two in step).
+
+``LeaseWorker.start()`` runs the start-up checks once the lease store
+answers. A finding never stops the worker, whatever its severity: the store's
+settings can be fixed while it runs (``CONFIG SET``), and a store meant to be
+thrown away (a laptop, CI) is not an outage. A check that cannot run
+(``CONFIG`` or ``INFO`` refused by an ACL, or renamed away on a managed Redis)
+is logged at INFO as skipped. ``run_checks`` returns the findings, so they are
+testable and a deployment script can use them.
 """
 from __future__ import annotations
 
@@ -26,6 +34,47 @@ _REDIS_BROKER_SCHEMES = ("redis", "rediss", "sentinel", "redis+socket")
 #: kombu's Redis transport default visibility_timeout, in seconds.
 _DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 
+#: Severities: ERROR, a guarantee is lost when the risk strikes (tasks lost or run twice);
+#: WARNING, one is weakened or something needs a look. INFO and OK lines are no findings.
+ERROR, WARNING, INFO, OK = "ERROR", "WARNING", "INFO", "OK"
+#: The logging level of each severity (the worker logs a finding at it).
+LEVELS = {ERROR: logging.ERROR, WARNING: logging.WARNING, INFO: logging.INFO, OK: logging.INFO}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of finding: the check that reports it and its severity."""
+
+    #: The check's name: Finding.check, and the doctor's second column.
+    check: str
+    #: ERROR or WARNING.
+    severity: str
+    #: True when the worker's start-up checks report it too (else only the doctor does).
+    at_worker_start: bool
+
+
+#: Every finding, with its one severity, for the start-up checks and the doctor alike.
+FINDINGS: dict[str, Kind] = {
+    # the start-up checks (this module), which the doctor runs too
+    "eviction": Kind("eviction", ERROR, True),
+    "no_persistence": Kind("persistence", ERROR, True),
+    "rdb_only": Kind("persistence", WARNING, True),
+    "shards": Kind("shards", ERROR, True),
+    "visibility_timeout": Kind("visibility_timeout", WARNING, True),
+    "retention": Kind("retention", WARNING, True),
+    "heartbeat": Kind("heartbeat", WARNING, True),
+    # the doctor's own (doctor.py); a worker refuses to start on a settings problem (exit 78)
+    # and waits for an unreachable store (exit 69 past its retries) instead
+    "settings": Kind("settings", ERROR, False),
+    "store_unreachable": Kind("store", ERROR, False),
+    "clock_skew": Kind("clock", WARNING, False),
+    "corrupt_record": Kind("records", ERROR, False),
+    "stuck_lease": Kind("records", ERROR, False),
+    "corrupt_stats": Kind("records", ERROR, False),
+    "parked": Kind("parked", WARNING, False),
+    "recovery_late": Kind("recovery", WARNING, False),
+}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -33,13 +82,26 @@ class Finding:
 
     #: Which check: "eviction", "persistence", "shards", "visibility_timeout", "retention", "heartbeat".
     check: str
-    #: logging.WARNING for a problem, logging.INFO for a skipped check.
+    #: The logging level: of the finding's severity (FINDINGS), or logging.INFO for a skipped check.
     level: int
     message: str
+    #: The finding's key in FINDINGS ("" for a skipped check).
+    kind: str = ""
 
     @property
     def skipped(self) -> bool:
         return self.level < logging.WARNING
+
+    @property
+    def severity(self) -> str:
+        """ERROR or WARNING (FINDINGS), INFO for a skipped check."""
+        return FINDINGS[self.kind].severity if self.kind else INFO
+
+
+def found(kind: str, message: str) -> Finding:
+    """A finding of ``kind``, at the severity FINDINGS gives it."""
+    entry = FINDINGS[kind]
+    return Finding(entry.check, LEVELS[entry.severity], message, kind)
 
 
 class _Skip(Exception):
@@ -120,25 +182,28 @@ def check_eviction(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Fin
     else:
         risk = ("it can evict any key: the record or the deadline index entry of a running "
                 "task, which is then never recovered and loses its fencing guard")
-    return [Finding("eviction", logging.WARNING,
-                    f"lease store {store.description} has maxmemory-policy {policy} ({limit}); "
-                    f"{risk}. Use maxmemory-policy noeviction for the lease store")]
+    return [found("eviction",
+                  f"lease store {store.description} has maxmemory-policy {policy} ({limit}); "
+                  f"{risk}. Use maxmemory-policy noeviction for the lease store")]
 
 
 def check_persistence(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
-    """AOF (or at least RDB snapshots): a restart without persistence loses every lease."""
+    """AOF: a restart without persistence loses every lease, RDB snapshots alone the last writes."""
     infos = _each_master(store, "INFO persistence", lambda t: store.client.info("persistence", **t))
     if all(int(info.get("aof_enabled") or 0) for info in infos):
         return []
     saves = _each_master(store, "CONFIG GET save", lambda t: store.client.config_get("save", **t))
-    if all(int(info.get("aof_enabled") or 0) or save.get("save", "")
-           for info, save in zip(infos, saves)):
-        return []
-    return [Finding("persistence", logging.WARNING,
-                    f"lease store {store.description} has no persistence (appendonly no, save ''): "
-                    f"a restart loses every lease record, so tasks running at that moment are "
-                    f"never recovered, and the fencing token counter starts again. "
-                    f"Use appendonly yes")]
+    rdb = [save.get("save", "") for info, save in zip(infos, saves) if not int(info.get("aof_enabled") or 0)]
+    if all(rdb):
+        return [found("rdb_only",
+                      f"lease store {store.description} persists by RDB snapshots only (save "
+                      f"{rdb[0]!r}, appendonly no): a crash loses the lease writes since the last "
+                      f"snapshot. Use appendonly yes")]
+    return [found("no_persistence",
+                  f"lease store {store.description} has no persistence (appendonly no, save ''): "
+                  f"a restart loses every lease record, so tasks running at that moment are "
+                  f"never recovered, and the fencing token counter starts again. "
+                  f"Use appendonly yes")]
 
 
 def check_shards(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
@@ -147,12 +212,12 @@ def check_shards(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Findi
     if other is None:
         return []
     count, indexed = other
-    return [Finding("shards", logging.WARNING,
-                    f"lease store {store.description} holds {indexed} live lease(s) of prefix "
-                    f"{config.key_prefix} written with leases_shards={count}, but this worker uses "
-                    f"leases_shards={config.shards}: they are not renewed, recovered or fenced by "
-                    f"it. Run every worker with one value; change it only once those leases are "
-                    f"finished (see docs/cluster.md)")]
+    return [found("shards",
+                  f"lease store {store.description} holds {indexed} live lease(s) of prefix "
+                  f"{config.key_prefix} written with leases_shards={count}, but this worker uses "
+                  f"leases_shards={config.shards}: they are not renewed, recovered or fenced by "
+                  f"it. Run every worker with one value; change it only once those leases are "
+                  f"finished (see docs/cluster.md)")]
 
 
 # -- Celery settings -------------------------------------------------------------
@@ -174,12 +239,12 @@ def check_visibility_timeout(app: Any, config: LeaseConfig, store: LeaseStore) -
     timeout = _visibility_timeout(app)
     if timeout is None or timeout >= config.ttl:
         return []
-    return [Finding("visibility_timeout", logging.WARNING,
-                    f"broker_transport_options visibility_timeout ({timeout:g}s) is shorter than "
-                    f"leases_ttl ({config.ttl:g}s): the Redis broker hands out a copy of every "
-                    f"unacknowledged message (prefetched, ETA, acks_late) while its lease is still "
-                    f"live; each copy is refused as busy, again every {timeout:g}s. Set "
-                    f"visibility_timeout above the longest task or ETA, and above leases_ttl")]
+    return [found("visibility_timeout",
+                  f"broker_transport_options visibility_timeout ({timeout:g}s) is shorter than "
+                  f"leases_ttl ({config.ttl:g}s): the Redis broker hands out a copy of every "
+                  f"unacknowledged message (prefetched, ETA, acks_late) while its lease is still "
+                  f"live; each copy is refused as busy, again every {timeout:g}s. Set "
+                  f"visibility_timeout above the longest task or ETA, and above leases_ttl")]
 
 
 def check_retention(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
@@ -187,20 +252,20 @@ def check_retention(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Fi
     timeout = _visibility_timeout(app)
     if timeout is None or config.retention > timeout:
         return []
-    return [Finding("retention", logging.WARNING,
-                    f"leases_retention ({config.retention:g}s) is not longer than the Redis broker's "
-                    f"visibility_timeout ({timeout:g}s): a duplicate restored by the broker after "
-                    f"a finished task's record expired runs the task again")]
+    return [found("retention",
+                  f"leases_retention ({config.retention:g}s) is not longer than the Redis broker's "
+                  f"visibility_timeout ({timeout:g}s): a duplicate restored by the broker after "
+                  f"a finished task's record expired runs the task again")]
 
 
 def check_heartbeat(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
     """One late heartbeat must not cost a lease: renew at most every ttl / 2."""
     if config.heartbeat_interval <= config.ttl / 2:
         return []
-    return [Finding("heartbeat", logging.WARNING,
-                    f"leases_heartbeat_interval ({config.heartbeat_interval:g}s) is more than half "
-                    f"of leases_ttl ({config.ttl:g}s): a single slow or failed renewal lets leases "
-                    f"of live tasks expire and be recovered; ttl / 3 is a safe choice")]
+    return [found("heartbeat",
+                  f"leases_heartbeat_interval ({config.heartbeat_interval:g}s) is more than half "
+                  f"of leases_ttl ({config.ttl:g}s): a single slow or failed renewal lets leases "
+                  f"of live tasks expire and be recovered; ttl / 3 is a safe choice")]
 
 
 _CHECKS: tuple[tuple[str, Callable[[Any, LeaseConfig, LeaseStore], list[Finding]]], ...] = (
@@ -212,4 +277,4 @@ _CHECKS: tuple[tuple[str, Callable[[Any, LeaseConfig, LeaseStore], list[Finding]
     ("heartbeat", check_heartbeat),
 )
 
-__all__ = ["Finding", "run_checks"]
+__all__ = ["Finding", "FINDINGS", "Kind", "found", "run_checks", "ERROR", "WARNING", "INFO", "OK"]

@@ -3,14 +3,14 @@
 ``diagnose(app)`` runs, in order: the settings (what would stop a worker from
 starting, worker/startup.py), the lease store's reachability, the start-up
 checks (checks.py: eviction policy, persistence, shards, visibility timeout,
-retention, heartbeat), persistence by AOF rather than RDB only, the server's
-clock against this host's, every record (corrupt ones, and stuck ones: active
-long past their deadline, or recovering past their publish grace), parked
-deliveries, and the recovery passes it sees taking their turn.
+retention, heartbeat), the server's clock against this host's, every record
+(corrupt ones, and stuck ones: active long past their deadline, or recovering
+past their publish grace), parked deliveries, and the recovery passes it sees
+taking their turn.
 
-The doctor is stricter than the start-up checks, which only warn: an evicting
-policy or no persistence at all is an ERROR here, RDB snapshots without AOF a
-WARNING. Levels: ERROR and WARNING are findings (exit 1); INFO (a check that
+Each finding's level is its severity in ``checks.FINDINGS``, the table the
+worker's start-up checks log by too: the doctor and a starting worker never
+disagree. Levels: ERROR and WARNING are findings (exit 1); INFO (a check that
 could not run, a cadence not observed) and OK are not.
 """
 from __future__ import annotations
@@ -21,19 +21,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from redis.exceptions import RedisError, ResponseError
-
-from .checks import run_checks
+from .checks import ERROR, FINDINGS, INFO, OK, WARNING, run_checks
 from .config import LeaseConfig, client_config
 from .exceptions import ConfigurationError, CorruptRecord, LeaseUnavailable
 from .protocol.admin import scan_all
 from .protocol.codes import ACTIVE, RECOVERING
-from .protocol.errors import lease_error
 from .protocol.store import LeaseStore
 from .runtime import get_store
 from .worker.startup import problems
 
-ERROR, WARNING, INFO, OK = "ERROR", "WARNING", "INFO", "OK"
 #: Levels that make the doctor exit 1.
 FINDING_LEVELS = (ERROR, WARNING)
 #: Seconds of clock difference between the store's server and this host worth a warning.
@@ -41,7 +37,7 @@ CLOCK_SKEW_WARNING = 2.0
 #: Corrupt or stuck records listed one per line; past this, one line says how many more.
 MAX_LISTED = 20
 
-#: What to do about each start-up check's warning (checks.py names them).
+#: What to do about each start-up check's finding (checks.py names the checks).
 _TODO = {
     "eviction": "CONFIG SET maxmemory-policy noeviction on the lease store, and the same in its redis.conf",
     "persistence": "CONFIG SET appendonly yes on the lease store, and appendonly yes in its redis.conf",
@@ -51,8 +47,6 @@ _TODO = {
     "retention": "raise leases_retention above the broker's visibility_timeout",
     "heartbeat": "set leases_heartbeat_interval to leases_ttl / 3 or less (the default)",
 }
-#: Start-up checks whose warning means tasks can be lost or run twice: ERRORs here.
-_SEVERE = ("eviction", "persistence", "shards")
 
 
 @dataclass(frozen=True)
@@ -67,6 +61,8 @@ class Finding:
     what: str
     #: What to do about it ("" for OK and INFO lines that need nothing).
     todo: str = ""
+    #: The finding's key in checks.FINDINGS, which gives its level ("" for OK and INFO lines).
+    kind: str = ""
 
     @property
     def counts(self) -> bool:
@@ -75,6 +71,12 @@ class Finding:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _found(kind: str, what: str, todo: str = "") -> Finding:
+    """A finding of ``kind`` (checks.FINDINGS), at its one severity."""
+    entry = FINDINGS[kind]
+    return Finding(entry.severity, entry.check, what, todo, kind)
 
 
 class StoreUnreachable(Exception):
@@ -109,8 +111,8 @@ def diagnose(app: Any, *, scan: bool = True, observe: float | None = None,
     stuck (default: 3 recovery intervals, at least 10 s). Raises
     StoreUnreachable (with the findings so far) when the store does not answer.
     """
-    findings = [Finding(ERROR, "settings", p, "fix it where the app is configured; workers refuse "
-                        "to start (exit 78) until then") for p in problems(app)]
+    findings = [_found("settings", p, "fix it where the app is configured; workers refuse "
+                       "to start (exit 78) until then") for p in problems(app)]
     try:
         config = client_config(app)
     except ConfigurationError:
@@ -121,14 +123,13 @@ def diagnose(app: Any, *, scan: bool = True, observe: float | None = None,
     try:
         with _quiet("celery_leases.checks", "celery_leases.store"):
             findings += _startup_checks(app, config, store)
-            findings += _aof(store)
             findings += _clock(store)
             findings += _records(store, config, scan, stuck_after)
             findings += _parked(store)
             findings += _recovery(store, config, observe, sleep)
     except LeaseUnavailable as exc:
-        findings.append(Finding(ERROR, "store", str(exc), "check leases_redis_url and that the "
-                                "lease store's Redis is up and reachable from here"))
+        findings.append(_found("store_unreachable", str(exc), "check leases_redis_url and that the "
+                               "lease store's Redis is up and reachable from here"))
         raise StoreUnreachable(findings) from None
     return findings
 
@@ -141,33 +142,13 @@ def _startup_checks(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Fi
         if f.skipped:
             out.append(Finding(INFO, f.check, f.message, "check this setting by hand (docs/operations.md)"))
         else:
-            out.append(Finding(ERROR if f.check in _SEVERE else WARNING, f.check, f.message,
-                               _TODO.get(f.check, "")))
+            out.append(_found(f.kind, f.message, _TODO.get(f.check, "")))
     named = {f.check for f in found}
     if "eviction" not in named:
         out.append(Finding(OK, "eviction", f"lease store {store.description} has maxmemory-policy noeviction"))
+    if "persistence" not in named:
+        out.append(Finding(OK, "persistence", f"lease store {store.description} has appendonly yes"))
     return out
-
-
-def _aof(store: LeaseStore) -> list[Finding]:
-    """RDB snapshots alone lose the writes since the last one: the start-up check accepts them, not this."""
-    if hasattr(store.client, "get_primaries"):
-        return []  # a cluster: the start-up check read each master already
-    try:
-        info = store.client.info("persistence")
-        saves = store.client.config_get("save").get("save", "")
-    except ResponseError as exc:  # NOPERM, or CONFIG renamed away
-        return [Finding(INFO, "persistence", f"INFO persistence / CONFIG GET save refused by "
-                        f"{store.description}: {exc}", "check appendonly by hand")]
-    except RedisError as exc:
-        raise lease_error(exc, "reading the persistence settings", store.description) from None
-    if int(info.get("aof_enabled") or 0):
-        return [Finding(OK, "persistence", f"lease store {store.description} has appendonly yes")]
-    if saves:
-        return [Finding(WARNING, "persistence", f"lease store {store.description} persists by RDB "
-                        f"snapshots only (save {saves!r}, appendonly no): a crash loses the lease "
-                        f"writes since the last snapshot", _TODO["persistence"])]
-    return []  # no persistence at all: the start-up check reported it
 
 
 def _clock(store: LeaseStore) -> list[Finding]:
@@ -179,7 +160,7 @@ def _clock(store: LeaseStore) -> list[Finding]:
     text = (f"the lease store's clock is {abs(skew):.3f}s {'ahead of' if skew > 0 else 'behind'} "
             f"this host's (+/- {bound:.3f}s)")
     if abs(skew) - bound > CLOCK_SKEW_WARNING:
-        return [Finding(WARNING, "clock", text + ": deadlines follow the server's clock, so leases are "
+        return [_found("clock_skew", text + ": deadlines follow the server's clock, so leases are "
                         "safe, but logs, ETAs and this host's view of deadlines disagree with it",
                         "run NTP (chrony, systemd-timesyncd) on the Redis host and on this one")]
     return [Finding(OK, "clock", text)]
@@ -191,11 +172,11 @@ def _records(store: LeaseStore, config: LeaseConfig, scan: bool, stuck_after: fl
     if scan:
         records, corrupt = scan_all(store)
         for key, problem in corrupt[:MAX_LISTED]:
-            out.append(Finding(ERROR, "records", f"corrupt lease record {key}: {problem}",
+            out.append(_found("corrupt_record", f"corrupt lease record {key}: {problem}",
                                f"read it with HGETALL {key}; repair the field or DEL the record "
                                f"(a parked delivery of it: celery leases replay TASK_ID --reset-record)"))
         if len(corrupt) > MAX_LISTED:
-            out.append(Finding(ERROR, "records", f"{len(corrupt) - MAX_LISTED} more corrupt lease records",
+            out.append(_found("corrupt_record", f"{len(corrupt) - MAX_LISTED} more corrupt lease records",
                                "as above"))
     else:
         records = store.records([t for t, _ in store.active(100_000)], skip_corrupt=True)
@@ -212,18 +193,18 @@ def _records(store: LeaseStore, config: LeaseConfig, scan: bool, stuck_after: fl
         else:
             what = (f"stuck lease {r.name or '-'}[{r.task_id}]: recovering, its re-publish unconfirmed "
                     f"{late:.1f}s past leases_publish_grace, and no recovery pass claimed it again")
-        out.append(Finding(ERROR, "records", what, "make sure recovery runs: beat with the "
+        out.append(_found("stuck_lease", what, "make sure recovery runs: beat with the "
                            "celery_leases.recover task, or leases_worker_recovery on the workers; "
                            "`celery leases recover` runs one pass now"))
     if len(stuck) > MAX_LISTED:
-        out.append(Finding(ERROR, "records", f"{len(stuck) - MAX_LISTED} more stuck leases", "as above"))
+        out.append(_found("stuck_lease", f"{len(stuck) - MAX_LISTED} more stuck leases", "as above"))
     if not any(f.counts for f in out):
         out.append(Finding(OK, "records", f"{len(records)} record(s) read, none stuck"
                            + (", none corrupt" if scan else "")))
     try:
         store.stats()
     except CorruptRecord as exc:
-        out.append(Finding(ERROR, "records", str(exc), f"repair or DEL {store.keys.stats} (lifetime "
+        out.append(_found("corrupt_stats", str(exc), f"repair or DEL {store.keys.stats} (lifetime "
                            f"counters only: nothing else reads it)"))
     return out
 
@@ -234,7 +215,7 @@ def _parked(store: LeaseStore) -> list[Finding]:
         return [Finding(OK, "parked", "no parked deliveries")]
     now = store.server_time_ms()
     oldest = min(entries, key=lambda e: e.parked_at)
-    return [Finding(WARNING, "parked", f"{len(entries)} delivery(ies) parked instead of run, the oldest "
+    return [_found("parked", f"{len(entries)} delivery(ies) parked instead of run, the oldest "
                     f"{(now - oldest.parked_at) / 1000.0:.0f}s ago ({oldest.name or '-'}[{oldest.task_id}]: "
                     f"{oldest.reason})", "celery leases parked; fix the record or the producer, then "
                     "celery leases replay TASK_ID")]
@@ -279,7 +260,7 @@ def _recovery(store: LeaseStore, config: LeaseConfig, observe: float | None,
         every = (turns[-1][0] - turns[0][0]) / (len(turns) - 1)
         text += f", every {every:.1f}s ({len(turns)} turns seen)"
         if every > 2 * config.recovery_interval:
-            return [Finding(WARNING, "recovery", f"{text}; leases_recovery_interval is "
+            return [_found("recovery_late", f"{text}; leases_recovery_interval is "
                             f"{config.recovery_interval:g}s; {lifetime}",
                             "check beat's schedule of celery_leases.recover and that beat runs once")]
     return [Finding(OK, "recovery", f"{text}; {lifetime}")]

@@ -81,7 +81,7 @@ class LeaseWorker:
         # Scripts are read once, here: the pool processes inherit them, and a
         # package upgraded on disk under a running worker cannot mix versions.
         scripts.load_all()
-        run_checks(self.app, self.config, self.store)  # warnings only: Redis and broker settings
+        run_checks(self.app, self.config, self.store)  # logged at their severity; never stops the worker
         self.revokes.gate()
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)

@@ -9,7 +9,7 @@ from celery import Celery
 
 import celery_leases
 from celery_leases import LeaseStore, LeaseUnavailable
-from celery_leases.checks import run_checks
+from celery_leases.checks import _CHECKS, FINDINGS, found, run_checks
 from celery_leases.config import get_config
 from celery_leases.worker.service import LeaseWorker
 from celery_leases.testing.servers import RedisServer, free_port
@@ -50,16 +50,16 @@ def check(url: str, **conf) -> dict:
 # -- eviction -------------------------------------------------------------------------
 
 
-def test_an_evicting_policy_is_a_warning_naming_it(server, caplog):
+def test_an_evicting_policy_is_an_error_naming_it(server, caplog):
     srv = server("--maxmemory-policy", "allkeys-lru")
     with caplog.at_level(logging.INFO, logger="celery_leases.checks"):
         findings = check(srv.url)
     finding = findings["eviction"]
-    assert finding.level == logging.WARNING and not finding.skipped
+    assert finding.level == logging.ERROR and finding.severity == "ERROR" and not finding.skipped
     assert "allkeys-lru" in finding.message and "noeviction" in finding.message
     assert "never recovered" in finding.message
-    assert ("celery_leases.checks", logging.WARNING) in [(r.name, r.levelno) for r in caplog.records
-                                                         if "allkeys-lru" in r.getMessage()]
+    assert ("celery_leases.checks", logging.ERROR) in [(r.name, r.levelno) for r in caplog.records
+                                                       if "allkeys-lru" in r.getMessage()]
 
 
 def test_a_volatile_policy_warns_about_finished_records(server):
@@ -77,15 +77,19 @@ def test_the_default_policy_is_no_eviction_finding(server):
 # -- persistence ------------------------------------------------------------------------
 
 
-def test_no_aof_and_no_snapshots_is_a_persistence_warning(server):
+def test_no_aof_and_no_snapshots_is_a_persistence_error(server):
     srv = server()   # the test servers run with --save '' --appendonly no
     finding = check(srv.url)["persistence"]
-    assert finding.level == logging.WARNING and "appendonly yes" in finding.message
+    assert (finding.kind, finding.severity, finding.level) == ("no_persistence", "ERROR", logging.ERROR)
+    assert "appendonly yes" in finding.message and "never recovered" in finding.message
 
 
-def test_aof_or_snapshots_satisfy_the_persistence_check(server):
+def test_aof_satisfies_the_persistence_check_and_snapshots_alone_are_a_warning(server):
     assert "persistence" not in check(server(appendonly=True).url)
-    assert "persistence" not in check(server("--save", "900 1").url)
+    assert "persistence" not in check(server("--save", "900 1", appendonly=True).url)
+    finding = check(server("--save", "900 1").url)["persistence"]
+    assert (finding.kind, finding.severity, finding.level) == ("rdb_only", "WARNING", logging.WARNING)
+    assert "RDB snapshots only (save '900 1'" in finding.message
 
 
 def test_a_renamed_config_command_skips_the_persistence_check_at_info(server, caplog):
@@ -126,7 +130,7 @@ def test_a_redis_visibility_timeout_below_the_ttl_is_a_warning(redis_server_url)
     findings = check(redis_server_url, leases_ttl=60,
                      broker_transport_options={"visibility_timeout": 30})
     finding = findings["visibility_timeout"]
-    assert finding.level == logging.WARNING
+    assert finding.level == logging.WARNING and finding.severity == "WARNING"
     assert "visibility_timeout (30s)" in finding.message and "leases_ttl (60s)" in finding.message
     # And the default (one hour) and non-Redis brokers are fine
     assert "visibility_timeout" not in check(redis_server_url, leases_ttl=60)
@@ -157,12 +161,12 @@ def test_worker_start_runs_the_checks_and_still_fails_without_redis(server, capl
     srv = server("--maxmemory-policy", "allkeys-random")
     app = app_for(srv.url, leases_worker_recovery=False)
     worker = LeaseWorker(app, get_config(app))
-    # When the worker starts, Then it warns on celery_leases.checks and runs
+    # When the worker starts, Then it logs the finding at its severity (ERROR) and runs
     with caplog.at_level(logging.WARNING, logger="celery_leases.checks"):
         worker.start()
     try:
         assert any(r.name == "celery_leases.checks" and "allkeys-random" in r.getMessage()
-                   for r in caplog.records)
+                   and r.levelno == logging.ERROR for r in caplog.records)
     finally:
         worker.stop(unstarted=False)
     # And with Redis unreachable, the start fails naming leases_redis_url, as before
@@ -177,3 +181,49 @@ def test_a_check_that_breaks_is_skipped_not_raised(redis_server_url, monkeypatch
     monkeypatch.setattr(store.client, "info", lambda *a, **k: 1 / 0)
     findings = {f.check: f for f in run_checks(app, get_config(app), store)}
     assert findings["eviction"].skipped and "ZeroDivisionError" in findings["eviction"].message
+
+
+# -- severities ------------------------------------------------------------------------------------
+
+
+def test_each_finding_has_one_severity_and_every_check_names_a_kind_of_finding():
+    assert {k.severity for k in FINDINGS.values()} == {"ERROR", "WARNING"}
+    for kind in FINDINGS:
+        finding = found(kind, "x")
+        assert finding.severity == FINDINGS[kind].severity and not finding.skipped
+        assert finding.level == {"ERROR": logging.ERROR, "WARNING": logging.WARNING}[finding.severity]
+    startup = {k.check for k in FINDINGS.values() if k.at_worker_start}
+    assert startup == {name for name, _ in _CHECKS}
+
+
+def test_the_worker_logs_each_finding_at_the_level_the_doctor_reports_it(server, caplog):
+    # Given a store that evicts, has no persistence, and settings that weaken the lease
+    srv = server("--maxmemory-policy", "allkeys-lru")
+    app = app_for(srv.url, leases_ttl=60, leases_retention=30, leases_heartbeat_interval=40,
+                  broker_transport_options={"visibility_timeout": 30})
+    store = LeaseStore(redis.Redis.from_url(srv.url), "checks")
+    # When a worker's start-up checks run, and the doctor looks at the same deployment
+    with caplog.at_level(logging.INFO, logger="celery_leases.checks"):
+        findings = run_checks(app, get_config(app), store)
+    from celery_leases.doctor import diagnose
+    doctor = {(f.check, f.what): f.level for f in diagnose(app, scan=False, observe=0)}
+    # Then each finding has one level: the worker's log line, the doctor's line, the table
+    logged = {r.getMessage().removeprefix("celery-leases: "): r.levelname for r in caplog.records}
+    assert {f.kind for f in findings} == {"eviction", "no_persistence", "visibility_timeout",
+                                          "retention", "heartbeat"}
+    for f in findings:
+        assert logged[f.message] == doctor[(f.check, f.message)] == FINDINGS[f.kind].severity, f
+    store.client.close()
+
+
+def test_the_table_of_severities_in_the_operations_guide_is_the_code_s():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = text.split("### Findings and their severities", 1)[1].split("\n#", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`"):
+            kind, check, severity, at_start = cells[0].strip("`"), cells[1].strip("`"), cells[2], cells[3]
+            rows[kind] = (check, severity, at_start == "yes")
+    assert rows == {kind: (k.check, k.severity, k.at_worker_start) for kind, k in FINDINGS.items()}

@@ -73,6 +73,7 @@ def test_an_evicting_store_with_a_corrupt_record_exits_1_naming_both(cli, server
     data = json.loads(cli("doctor", "--observe", "0", "--json", LEASES_TEST_BROKER=server.url).stdout)
     assert data["healthy"] is False and data["status"] == 1
     assert sorted(f["check"] for f in data["findings"] if f["level"] == "ERROR") == ["eviction", "records"]
+    assert sorted(f["kind"] for f in data["findings"] if f["level"] == "ERROR") == ["corrupt_record", "eviction"]
 
 
 def test_stuck_leases_rdb_only_and_parked_deliveries_are_findings(cli, server_factory, key_prefix):
