@@ -40,9 +40,16 @@ setup(
             "pydantic",
             # tests/adversarial/test_poison_pills_shared.py: poison pills on a gevent worker.
             "gevent",
+            # tests/outbox/: every connection celery_leases.outbox.send accepts (psycopg 3 is above).
+            "psycopg2-binary",
+            "SQLAlchemy>=2",
+            "Django>=4.2",
+            "PyMySQL",
         ],
         "docs": ["sphinx", "myst-parser", "pytest"],
         "prometheus": ["prometheus-client"],
+        # celery_leases.outbox on PostgreSQL (SQLite needs nothing; MySQL: PyMySQL or mysqlclient).
+        "outbox": ["psycopg[binary]"],
         # celery_leases.tracing: the lease on the spans of opentelemetry-instrumentation-celery.
         "opentelemetry": ["opentelemetry-api", "opentelemetry-instrumentation-celery"],
         # redis-py's C parser: large recovery batches parse about 30% faster (docs/benchmarks.md).

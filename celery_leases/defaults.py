@@ -55,3 +55,9 @@ HTTP_HOST = "0.0.0.0"
 #: File whose modification time the worker sets every second while it is live, for exec
 #: probes; None: off.
 HEALTH_FILE = None
+#: The database whose outbox the workers relay (celery_leases/outbox/); None: no relay.
+OUTBOX_URL = None
+#: The outbox table ('name' or 'schema.name'); its parked rows go to '<name>_parked'.
+OUTBOX_TABLE = "celery_leases_outbox"
+#: Seconds between two looks of a relay at the outbox (PostgreSQL's NOTIFY wakes it sooner).
+OUTBOX_POLL_INTERVAL = 1.0

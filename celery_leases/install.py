@@ -18,7 +18,7 @@ from .worker.outage import Outage
 # Importing it registers ``celery inspect leases`` (Celery's registry of remote-control commands is global).
 from .worker import control  # noqa: F401
 # Importing the steps also connects the task_received / worker_shutdown hooks.
-from .worker.steps import HeartbeatStep, LeaseConsumerStep, LeaseStep, RecoveryStep
+from .worker.steps import HeartbeatStep, LeaseConsumerStep, LeaseStep, OutboxStep, RecoveryStep
 
 logger = logging.getLogger("celery_leases.install")
 
@@ -63,7 +63,7 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
         return app
     tracking.install(app)
     on_new_store(results.attach)
-    app.steps["worker"].update((LeaseStep, HeartbeatStep, RecoveryStep))
+    app.steps["worker"].update((LeaseStep, HeartbeatStep, RecoveryStep, OutboxStep))
     app.steps["consumer"].add(LeaseConsumerStep)
 
     outage = Outage(logging.getLogger("celery_leases.recovery"), "celery-leases: recovery task")

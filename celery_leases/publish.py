@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Mapping
 
 from celery.signals import before_task_publish
 
@@ -45,8 +47,26 @@ def new_publish_id() -> str:
     return os.urandom(8).hex()
 
 
+#: The publish id chosen ahead of the publishes under way in this context (``publishing_as``).
+_given: ContextVar[str | None] = ContextVar("celery_leases_publish_id", default=None)
+
+
+@contextmanager
+def publishing_as(publish_id: str) -> Iterator[None]:
+    """Stamp the messages published in this block with ``publish_id`` instead of new ones.
+
+    The outbox (celery_leases/outbox/) chooses a row's publish id when the row is written
+    and publishes the row with it, as often as a crash makes it publish the row: every
+    copy is then one publish, refused at receipt once a copy ran."""
+    token = _given.set(publish_id)
+    try:
+        yield
+    finally:
+        _given.reset(token)
+
+
 @before_task_publish.connect(weak=False, dispatch_uid="celery_leases.publish_id")
 def stamp_publish_id(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
     """Give every publish of a task message its own id (cheap: 8 random bytes)."""
     if isinstance(headers, dict):
-        headers[PUBLISH_HEADER] = new_publish_id()
+        headers[PUBLISH_HEADER] = _given.get() or new_publish_id()

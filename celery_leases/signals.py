@@ -51,3 +51,7 @@ heartbeat_ticked = Signal(name="heartbeat_ticked", providing_args={"owner", "hel
 #: ``celery_leases.recover`` task): ``result`` is "ran", "skipped" (another recoverer
 #: took this interval) or "failed" (the store did not answer); ``recoverer`` names who.
 recovery_pass = Signal(name="recovery_pass", providing_args={"result", "recoverer"})
+#: Sent by an outbox relay (celery_leases/outbox/relay.py) every few seconds: ``depth`` rows
+#: waiting in the outbox, ``oldest_age`` the oldest one's age in seconds (None: empty), on
+#: the database's clock, and ``parked`` rows in the parked table.
+outbox_status = Signal(name="outbox_status", providing_args={"depth", "oldest_age", "parked"})

@@ -29,9 +29,10 @@ import logging
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterator
 
 from celery import states
 from celery.signals import before_task_publish
@@ -122,6 +123,23 @@ def _batch_groups() -> None:
 
     _apply_tasks._celery_leases_batched = True  # type: ignore[attr-defined]
     canvas.group._apply_tasks = _apply_tasks
+
+
+@contextmanager
+def batched() -> Iterator[None]:
+    """The publishes of this block are one batch, as a group's members are (``_batch_groups``):
+    each record is written before its message goes out, the replies read once the block
+    ends. The outbox relay publishes its rows this way (celery_leases/outbox/relay.py)."""
+    if _batch.get() is not None:  # inside a batch already: it takes these publishes too
+        yield
+        return
+    batch = _Batch()
+    token = _batch.set(batch)
+    try:
+        yield
+    finally:
+        _batch.reset(token)
+        batch.flush()
 
 
 def _serialize_once() -> None:

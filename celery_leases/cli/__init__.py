@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from . import doctor, maintenance, show
+from . import doctor, maintenance, outbox, show
 
 
 # -- the command group --------------------------------------------------------------
@@ -26,10 +26,11 @@ from . import doctor, maintenance, show
 @click.pass_context
 def leases(ctx: click.Context, **kwargs: Any) -> None:
     """Inspect and maintain the leases of the app (-A): ls, show, stats, top, doctor, recover,
-    parked, replay, purge."""
+    parked, replay, purge, outbox."""
 
 
 # ``leases ls/show/stats/top/doctor`` read; ``leases recover/purge/parked/replay`` change the store.
 for command in (show.ls, show.show, show.stats, show.top, doctor.doctor, maintenance.recover, maintenance.purge,
                 maintenance.parked, maintenance.replay):
     leases.add_command(command)
+leases.add_command(outbox.outbox)

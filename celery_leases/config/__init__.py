@@ -61,6 +61,11 @@ class LeaseConfig:
     http_host: str = defaults.HTTP_HOST
     #: A file the worker touches every second while it is live (exec probes); None: off.
     health_file: str | None = defaults.HEALTH_FILE
+    #: The outbox (celery_leases/outbox/): the database the workers relay (None: none), the
+    #: table ``send`` writes to, and the relay's poll interval.
+    outbox_url: str | None = dataclasses.field(default=defaults.OUTBOX_URL, repr=False)
+    outbox_table: str = defaults.OUTBOX_TABLE
+    outbox_poll_interval: float = defaults.OUTBOX_POLL_INTERVAL
     #: kombu-style options for redis_url (Sentinel's master_name, sentinel_kwargs).
     redis_transport_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     #: The setting redis_transport_options came from, for error messages.

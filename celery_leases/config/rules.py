@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Callable
 
 from .. import defaults
@@ -145,6 +146,24 @@ def _optional_path(value: Any, strict: bool = False) -> str | None:
     return value
 
 
+def _outbox_url(value: Any, strict: bool = False) -> str | None:
+    if value is None:
+        return None
+    scheme = value.split(":", 1)[0].split("+", 1)[0].lower() if isinstance(value, str) and ":" in value else ""
+    if scheme not in ("postgresql", "postgres", "sqlite", "mysql", "mariadb"):
+        raise _Invalid("must be None (off) or the outbox's database: a postgresql://, sqlite:/// "
+                       "or mysql:// URL")
+    return value
+
+
+def _table_name(value: Any, strict: bool = False) -> str:
+    parts = value.split(".") if isinstance(value, str) else []
+    if not 1 <= len(parts) <= 2 or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,55}", p) for p in parts):
+        raise _Invalid("must be a table name, 'name' or 'schema.name', each a letter or underscore "
+                       "then letters, digits or underscores (at most 56 characters)")
+    return value
+
+
 _CLIENT, _WORKER = "client", "worker"
 
 #: Every ``leases_*`` setting (without the prefix): its rule, and who uses it.
@@ -178,6 +197,9 @@ SETTINGS: dict[str, tuple[Callable[..., Any] | None, str]] = {
     "http_port": (_port, _WORKER),
     "http_host": (_host, _WORKER),
     "health_file": (_optional_path, _WORKER),
+    "outbox_url": (_outbox_url, _WORKER),
+    "outbox_table": (_table_name, _CLIENT),
+    "outbox_poll_interval": (_seconds, _WORKER),
 }
 
 #: Settings whose value None, written explicitly, turns the feature off (unset: the default).
@@ -197,4 +219,6 @@ _DEFAULTS = {
     "worker_recovery": defaults.WORKER_RECOVERY, "beat_schedule": defaults.BEAT_SCHEDULE,
     "held_deliveries": defaults.HELD_DELIVERIES,
     "http_port": defaults.HTTP_PORT, "http_host": defaults.HTTP_HOST, "health_file": defaults.HEALTH_FILE,
+    "outbox_url": defaults.OUTBOX_URL, "outbox_table": defaults.OUTBOX_TABLE,
+    "outbox_poll_interval": defaults.OUTBOX_POLL_INTERVAL,
 }

@@ -12,6 +12,7 @@ receipt.py and health.py.
   starts it, blocking the worker's start until the store answers;
 - ``HeartbeatStep`` (worker): starts the renewal thread;
 - ``RecoveryStep`` (worker): runs the fallback recovery (``leases_worker_recovery``);
+- ``OutboxStep`` (worker): runs the outbox relay (``leases_outbox_url``);
 - ``LeaseConsumerStep`` (consumer): releases the leases of requests the
   consumer dropped (broker reconnect, shutdown);
 - ``task_received``: the acquire at receipt; ``worker_process_init``: a pool
@@ -32,6 +33,7 @@ from ..config import get_config
 from ..exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from ..runtime import get_store, get_worker, set_worker
 from . import held
+from ..outbox.relay import Relay
 from .fallback import FallbackRecovery
 from .health import Health
 from .isolation import Isolation, shares_process
@@ -41,7 +43,7 @@ from .startup import EX_CONFIG, EX_UNAVAILABLE, refuse, refuse_if_misconfigured,
 
 logger = logging.getLogger("celery_leases.worker")
 
-__all__ = ["HealthStep", "LeaseStep", "HeartbeatStep", "RecoveryStep", "LeaseConsumerStep"]
+__all__ = ["HealthStep", "LeaseStep", "HeartbeatStep", "RecoveryStep", "OutboxStep", "LeaseConsumerStep"]
 
 #: Pools whose event loop does not run task bodies: there the acquire is sent without waiting.
 _ASYNC_ACQUIRE_POOLS = ("celery.concurrency.prefork", "celery.concurrency.thread")
@@ -215,6 +217,32 @@ class RecoveryStep(bootsteps.StartStopStep):
     def stop(self, w: Any) -> None:
         if self.recovery is not None:
             self.recovery.stop()
+
+    terminate = stop
+
+
+class OutboxStep(bootsteps.StartStopStep):
+    """Worker bootstep: the outbox relay thread (celery_leases/outbox/relay.py), when
+    ``leases_outbox_url`` names a database."""
+
+    label = "Leases outbox relay"
+    requires = (LeaseStep,)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        super().__init__(w, **kwargs)
+        self.relay: Relay | None = None
+
+    def start(self, w: Any) -> None:
+        lease_worker = get_worker(w.app)
+        if lease_worker is None or not lease_worker.config.outbox_url:
+            return
+        config = lease_worker.config
+        self.relay = Relay(w.app, config.outbox_url, config.outbox_table, config.outbox_poll_interval)
+        self.relay.start()
+
+    def stop(self, w: Any) -> None:
+        if self.relay is not None:
+            self.relay.stop()
 
     terminate = stop
 

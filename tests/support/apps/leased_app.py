@@ -10,6 +10,8 @@ LEASES_TEST_HISTORY_URL: where tasks record their history (default: the lease st
 LEASES_TEST_PREFIX: key prefix (also the queue name);
 LEASES_TEST_DELIVERY_TIMEOUT: leases_delivery_timeout; unset, the product's default
 (publish tracking on); "0" turns tracking off (a test that does says why);
+LEASES_TEST_OUTBOX_URL / _POLL / _TABLE: leases_outbox_url (the workers relay that outbox),
+leases_outbox_poll_interval and leases_outbox_table;
 LEASES_TEST_TTL, LEASES_TEST_ACKS_LATE, LEASES_TEST_SHARDS, LEASES_TEST_HELD, ...: see create_app.
 """
 from __future__ import annotations
@@ -59,6 +61,12 @@ def create_app(env: Mapping[str, str]) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    if get("LEASES_TEST_OUTBOX_URL"):
+        # The outbox the workers relay (tests/outbox/), and how often they look at it.
+        app.conf.leases_outbox_url = get("LEASES_TEST_OUTBOX_URL")
+        app.conf.leases_outbox_poll_interval = float(get("LEASES_TEST_OUTBOX_POLL", "0.2"))
+    if get("LEASES_TEST_OUTBOX_TABLE"):
+        app.conf.leases_outbox_table = get("LEASES_TEST_OUTBOX_TABLE")
     if get("LEASES_TEST_DELIVERY_TIMEOUT") is not None:
         # Unset: the product's default (publish tracking on), what users run.
         # "0": tracking off, for a test that says why.
