@@ -45,6 +45,8 @@ from .publish import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
 from .config import client_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .messages import publish_raw, request_of
+from . import one_call
+from .one_call import OneCallRecord
 from .protocol.queued import QueuedTask, QueuedTasks, Undelivered
 from .protocol.store import LeaseStore
 from .runtime import get_store, on_new_store
@@ -96,6 +98,25 @@ def install(app: Any) -> None:
     on_new_store(attach)
     _batch_groups()
     _serialize_once()
+
+
+def _one_call(app: Any) -> bool:
+    """True when the lease store is the Redis broker's own server and database (the default
+    with ``leases_redis_url`` unset): the publish record then rides with the LPUSH
+    (one_call.py, installed then). Decided at the app's first recorded publish, once its
+    settings are final."""
+    wanted = app.__dict__.get("_celery_leases_one_call")
+    if wanted is None:
+        try:
+            broker = app.conf.broker_url
+            wanted = (isinstance(broker, str) and client_config(app).redis_url == broker
+                      and app.connection_for_write().transport.driver_type == "redis")
+        except Exception:  # noqa: BLE001 - a layout we cannot read keeps the two-call publish
+            wanted = False
+        if wanted:
+            one_call.install()
+        app._celery_leases_one_call = wanted
+    return wanted
 
 
 def _batch_groups() -> None:
@@ -287,6 +308,13 @@ def record_publish(sender: Any = None, body: Any = None, exchange: Any = None, r
             return
         batch = _batch.get()
         sent: Any
+        if batch is None and _one_call(app) and tracked.one_call_ok():
+            # The store is the broker's server: the record rides with the message's LPUSH
+            # (one_call.py), or is written after the publish if kombu pushes it elsewhere.
+            sent = OneCallRecord(tracked, message)
+            one_call.pending.set(sent)
+            pending.append(sent)
+            return
         if batch is not None:
             sent = batch.send(tracked, message, outage) if tracked.can_send() else None
         else:
@@ -471,6 +499,9 @@ def _forget(pending: list, outage: PublishOutage) -> None:
     sent = pending.pop()
     if isinstance(sent, _Held):
         outage.discard(sent.task.task_id)
+        return
+    if isinstance(sent, OneCallRecord) and not sent.sent:
+        one_call.pending.set(None)  # nothing was recorded: nothing to drop
         return
     _confirm(sent, outage)
     try:

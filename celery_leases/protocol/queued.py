@@ -109,6 +109,22 @@ class QueuedTasks:
                 [task.task_id, task.name, task.body, compact_json(dict(task.envelope)),
                  self._timeout_ms, int(task.eta_ms or 0), int(task.expires_ms or 0), task.publish])
 
+    def one_call_ok(self) -> bool:
+        """True when ``enqueue_and_push`` may be used: not on a Redis Cluster client."""
+        return not hasattr(self.store.client, "get_node_from_key")
+
+    def enqueue_and_push(self, task: QueuedTask, list_key: str, payload: str) -> tuple[Code, str]:
+        """``enqueue`` and the broker's LPUSH of the message ``payload`` onto ``list_key`` in one
+        call (the store and the broker share a server and database: enqueue.lua KEYS[5]).
+
+        LeaseUnavailable: no answer, so it is unknown whether the message was pushed. Any
+        other LeaseError comes with an answer: the record failed, the message was pushed.
+        """
+        keys, args = self.enqueue_call(task)
+        reply = self.store.calls.run(scripts.enqueue, [*keys, list_key], [*args, payload],
+                                     f"recording and publishing task {task.task_id}")
+        return self._result(task, reply)
+
     def enqueue(self, task: QueuedTask) -> tuple[Code, str]:
         """Record ``task`` as queued: (OK, "queued"), or (BUSY/FINISHED, state) when a
         record exists already, which is left as it is (enqueue.lua)."""

@@ -1,0 +1,137 @@
+"""One-call publish: the publish record and the broker's LPUSH in one script call.
+
+When the lease store and a Redis broker share a server and database (the default
+when ``leases_redis_url`` is unset), a leased task's record at publish
+(tracking.py, enqueue.lua) and kombu's LPUSH of its message go out as one
+EVALSHA: atomic (no window between record and publish), one command instead of
+two for the server, and no redis-py LPUSH in the publishing process.
+
+The record is prepared at ``before_task_publish`` (tracking.py) and left here
+(``OneCallRecord``); kombu's Redis channel ``_put`` (wrapped by ``install``)
+sends it with the message it is about to push, for the direct exchanges Celery
+routes tasks through, with kombu's priority lists (``_q_for_pri``) and ETA
+messages as they are. Anything else goes kombu's own way and the record is
+written after the publish (``OneCallRecord.result``), as with another layout:
+a fanout exchange, a queue with ``x-expires``, kombu's ``global_keyprefix``, a
+broker that is not the store's server. A call whose reply is lost may have
+pushed the message: kombu's LPUSH then sends it again, and the acquire refuses
+the second copy of that publish.
+"""
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps as kombu_dumps
+
+from .exceptions import LeaseError, LeaseUnavailable
+from .protocol.queued import QueuedTask, QueuedTasks
+
+logger = logging.getLogger("celery_leases.tracking")
+
+__all__ = ["OneCallRecord", "pending", "install", "uninstall", "same_server"]
+
+#: The record waiting for its message in this context (set at before_task_publish).
+pending: ContextVar["OneCallRecord | None"] = ContextVar("celery_leases_one_call", default=None)
+
+
+class OneCallRecord:
+    """A publish record that rides with its message's LPUSH, or is written after the publish."""
+
+    batched = False
+
+    def __init__(self, tracked: QueuedTasks, task: QueuedTask) -> None:
+        self.tracked, self.task = tracked, task
+        #: The record's answer once sent with the message; the error if that call failed.
+        self.reply: Any = None
+        self.error: BaseException | None = None
+        self.sent = False
+
+    def push(self, channel: Any, list_key: str, payload: str) -> bool:
+        """Send the record with the message's LPUSH; False when the message must still be pushed
+        by kombu (the call failed before the server could have taken it, or it is unknown)."""
+        self.sent = True
+        try:
+            self.reply = self.tracked.enqueue_and_push(self.task, list_key, payload)
+            return True
+        except LeaseUnavailable as exc:  # no answer: unknown whether it was pushed, kombu pushes it
+            self.error = exc
+            return False
+        except LeaseError as exc:  # an answer (the record failed): the server pushed the message
+            self.error = exc
+            return True
+        except Exception as exc:  # noqa: BLE001 - nothing was sent: kombu pushes it
+            self.error = exc
+            return False
+
+    def result(self) -> Any:
+        """The record's answer (tracking's ``_confirm``): written now if no message took it."""
+        if not self.sent:
+            if pending.get() is self:
+                pending.set(None)
+            self.sent = True
+            return self.tracked.enqueue(self.task)
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
+def same_server(channel: Any, tracked: QueuedTasks) -> bool:
+    """True when ``channel``'s Redis is the lease store's server and database (cached)."""
+    known = channel.__dict__.get("_celery_leases_same_server")
+    if known is not None:
+        return known
+    try:
+        mine = channel.client.connection_pool.connection_kwargs
+        store = tracked.store.client.connection_pool.connection_kwargs
+        fields = ("host", "port", "path", "db", "username")
+        same = (not getattr(channel, "global_keyprefix", "")
+                and type(channel.client.connection_pool) is type(tracked.store.client.connection_pool)
+                and all(mine.get(f) == store.get(f) for f in fields))
+    except Exception:  # noqa: BLE001 - a channel we cannot compare is not the store's
+        same = False
+    channel.__dict__["_celery_leases_same_server"] = same
+    return same
+
+
+_original_put: Any = None
+
+
+def install() -> None:
+    """Wrap kombu's Redis ``Channel._put`` (once per process)."""
+    global _original_put
+    channel_cls = kombu_redis.Channel
+    if getattr(channel_cls._put, "_celery_leases_one_call", False):
+        return
+    original = _original_put = channel_cls._put
+
+    def _put(self: Any, queue: str, message: Any, **kwargs: Any) -> Any:
+        record = pending.get()
+        if (record is not None and not record.sent and not kwargs.get("_publish_batch")
+                and not (self._expires and queue in self._expires)
+                and _headers_id(message) == record.task.task_id and same_server(self, record.tracked)):
+            pending.set(None)
+            key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+            if record.push(self, key, kombu_dumps(message)):
+                return None
+        return original(self, queue, message, **kwargs)
+
+    _put._celery_leases_one_call = True  # type: ignore[attr-defined]
+    channel_cls._put = _put
+
+
+def uninstall() -> None:
+    """kombu's own ``_put`` back (tests)."""
+    global _original_put
+    if _original_put is not None:
+        kombu_redis.Channel._put = _original_put
+        _original_put = None
+
+
+def _headers_id(message: Any) -> Any:
+    try:
+        return message["headers"]["id"]
+    except (KeyError, TypeError):
+        return None
