@@ -44,12 +44,14 @@ K8S = ROOT / "examples" / "kubernetes"
 
 
 def probe(port: int, path: str) -> tuple[int, str]:
-    """(status, body) of GET ``path`` on the worker's endpoint."""
+    """(status, body) of GET ``path`` on the worker's endpoint; status 0 when nothing answers."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as reply:
         return reply.code, reply.read().decode()
+    except OSError as exc:   # not serving yet (connection refused)
+        return 0, repr(exc)
 
 
 def wait_probe(port: int, path: str, status: int, timeout: float) -> str:
@@ -89,14 +91,14 @@ def health_worker(celery_env, own_server, tmp_path, request):
     report_worker_logs(request.node, started)
     broker, store = own_server("broker"), own_server("leases")
 
-    def start(pool: str = "prefork", concurrency: int = 1, **env: str):
+    def start(pool: str = "prefork", concurrency: int = 1, wait: bool = True, **env: str):
         port, health_file = free_port(), tmp_path / "worker.live"
         env = {**celery_env, "LEASES_TEST_BROKER": broker.url, "LEASES_TEST_LEASES_URL": store.url,
                "LEASES_TEST_HTTP_PORT": str(port), "LEASES_TEST_HEALTH_FILE": str(health_file), **env}
         worker = Worker(f"h{len(started) + 1}", env, pool=pool, concurrency=concurrency, app=HEALTH_APP,
                         log_dir=tmp_path)
         started.append(worker)
-        worker.start()
+        worker.start() if wait else worker.launch()
         return worker, port, health_file
 
     start.store = store
@@ -107,10 +109,16 @@ def health_worker(celery_env, own_server, tmp_path, request):
 
 
 @pytest.mark.slow
-def test_a_lease_store_outage_makes_the_worker_unready_never_unlive(health_worker):
-    # Given a prefork worker serving its probes, its lease store a redis-server apart from the broker
-    worker, port, health_file = health_worker("prefork")
-    wait_probe(port, "/readyz", 200, 15)
+def test_a_lease_store_down_at_start_or_later_makes_the_worker_unready_never_unlive(health_worker):
+    # Given a prefork worker starting while its lease store (a redis-server apart from the
+    # broker) is down: it waits for the store, live but not ready
+    health_worker.store.stop()
+    worker, port, health_file = health_worker("prefork", wait=False)
+    assert wait_probe(port, "/livez", 200, 20) == "live: starting (the lease heartbeat has not started yet)\n"
+    assert probe(port, "/readyz") == (503, "not ready: starting (not consuming yet)\n")
+    # And once the store is there, it consumes and serves its probes
+    health_worker.store.start()
+    wait_probe(port, "/readyz", 200, 20)
     status, body = probe(port, "/livez")
     assert status == 200 and body == "live: consuming\n", body
     # And its health file is touched: both documented exec probes pass
