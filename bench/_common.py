@@ -162,7 +162,8 @@ def report(results: dict, targets: dict[str, dict], table: str, json_path: str, 
 def bench_app(name: str, env: Mapping[str, str], **conf: Any) -> "Celery":
     """The base of the benchmarks' Celery apps, installed.
 
-    Broker and result backend on ``$LEASES_BENCH_BROKER``, leases there too or
+    Broker and result backend on ``$LEASES_BENCH_BROKER`` (the results on
+    ``$LEASES_BENCH_BACKEND`` when set: a RabbitMQ broker), leases there too or
     on ``$LEASES_BENCH_LEASES`` (a server of their own), key prefix and queue
     ``$LEASES_BENCH_PREFIX``, no beat schedule; ``conf`` adds the app's own settings.
     """
@@ -171,7 +172,7 @@ def bench_app(name: str, env: Mapping[str, str], **conf: Any) -> "Celery":
 
     prefix = env.get("LEASES_BENCH_PREFIX", "leases-bench")
     broker = env.get("LEASES_BENCH_BROKER", "redis://127.0.0.1:6379/0")
-    app = Celery(name, broker=broker, backend=broker)
+    app = Celery(name, broker=broker, backend=env.get("LEASES_BENCH_BACKEND") or broker)
     app.conf.update(
         task_default_queue=prefix,
         leases_redis_url=env.get("LEASES_BENCH_LEASES") or broker,
