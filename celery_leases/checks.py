@@ -242,9 +242,17 @@ def check_visibility_timeout(app: Any, config: LeaseConfig, store: LeaseStore) -
     return [found("visibility_timeout",
                   f"broker_transport_options visibility_timeout ({timeout:g}s) is shorter than "
                   f"leases_ttl ({config.ttl:g}s): the Redis broker hands out a copy of every "
-                  f"unacknowledged message (prefetched, ETA, acks_late) while its lease is still "
-                  f"live; each copy is refused as busy, again every {timeout:g}s. Set "
-                  f"visibility_timeout above the longest task or ETA, and above leases_ttl")]
+                  f"unacknowledged message (prefetched, ETA, acks_late){_kombu_held(config)} while "
+                  f"its lease is still live; each copy is refused as busy, again every {timeout:g}s. "
+                  f"Set visibility_timeout above the longest task or ETA, and above leases_ttl")]
+
+
+def _kombu_held(config: LeaseConfig) -> str:
+    """Which messages kombu's unacked copy still covers (worker/held.py)."""
+    if config.held_deliveries and config.delivery_timeout:
+        return (" kombu still holds (those without a publish record: leased tasks recorded at "
+                "publish are held by their lease, leases_held_deliveries)")
+    return ""
 
 
 def check_retention(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
@@ -255,7 +263,12 @@ def check_retention(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Fi
     return [found("retention",
                   f"leases_retention ({config.retention:g}s) is not longer than the Redis broker's "
                   f"visibility_timeout ({timeout:g}s): a duplicate restored by the broker after "
-                  f"a finished task's record expired runs the task again")]
+                  f"a finished task's record expired runs the task again"
+                  f"{_HELD_NOTE if _kombu_held(config) else ''}")]
+
+
+_HELD_NOTE = ("; only for messages without a publish record: leased tasks recorded at publish are "
+              "held by their lease (leases_held_deliveries)")
 
 
 def check_heartbeat(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
