@@ -28,12 +28,14 @@ from typing import Any
 
 import redis
 
+from celery_leases import testing
 from celery_leases.testing.servers import RedisServer, free_port
-from tests.support.workers import Worker
 
 logger = logging.getLogger("chaos.cluster")
 
 APP = "chaos.app"
+#: The repository root: the workers run there, with it on their PYTHONPATH (chaos.app).
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -168,8 +170,10 @@ class Cluster:
                 if slot.state in ("up", "starting") and slot.worker is not None and attempt == 0:
                     return  # another thread (heal, the supervisor) got there first
                 slot.generation += 1
-                worker = Worker(slot.name, self.env(slot.name), pool=slot.pool,
-                                concurrency=slot.concurrency, app=APP, log_dir=self.log_dir)
+                worker = testing.Worker(APP, name=slot.name, env={"LEASES_TEST_POOL": slot.pool,
+                                                                  **self.env(slot.name)},
+                                        pool=slot.pool, concurrency=slot.concurrency, log_dir=self.log_dir,
+                                        cwd=ROOT, pythonpath=[str(ROOT)])
                 slot.worker = worker
                 slot.state = "starting"
             try:

@@ -18,6 +18,7 @@ from ..protocol.keys import usable_id
 from ..config import client_config
 from ..exceptions import ConfigurationError, CorruptRecord, LeaseError, LeaseUnavailable
 from ..protocol.store import LeaseStore
+from .counters import COUNTERS as _COUNTERS
 
 logger = logging.getLogger("celery_leases.cli")
 
@@ -28,11 +29,9 @@ EX_UNAVAILABLE = 69
 EX_CONFIG = 78
 #: ``ls --state`` choices: the six states, all finished ones, or every record.
 STATE_CHOICES = (*STATES, "finished", "all")
-#: Lifetime counters of ``LeaseStore.stats()`` (docs/design.md), shown as 0 until they first move.
-COUNTERS = ("acquired", "taken_over", "busy_deliveries", "stale_deliveries", "finished_deliveries",
-            "recovered", "dead", "stalled", "refused", "retried", "succeeded", "failed", "revoked",
-            "reasserted", "rerun", "queued", "undelivered_republished", "undelivered_expired",
-            "results_written")
+#: Lifetime counters of ``LeaseStore.stats()`` (counters.py: each with what it counts), shown as 0
+#: until they first move.
+COUNTERS = tuple(_COUNTERS)
 
 
 class NotFound(LeaseError):

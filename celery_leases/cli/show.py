@@ -13,6 +13,8 @@ from ..protocol.codes import ACTIVE, RECOVERING, STATES, TERMINAL_STATES
 from ..protocol.records import LeaseRecord
 from ..protocol.store import LeaseStore
 from . import workers
+from .counters import StatsHelp
+from .counters import explain as explain_counter
 from .base import (COUNTERS, STATE_CHOICES, HelpArgument, LeasesCommand, NotFound, _command, _emit_json, _prefix,
                    _store, json_option, task_id_argument)
 from .format import (LS_HEADERS, _ago, _deadline, _indent, _iso, _ls_row, _relative, _running, duration,
@@ -186,17 +188,27 @@ def _stats(store: LeaseStore, scan: bool) -> dict:
     }
 
 
-@click.command(cls=LeasesCommand)
+class StatsCommand(StatsHelp, LeasesCommand):
+    """``stats``: its --help ends with each lifetime counter and what it counts."""
+
+
+@click.command(cls=StatsCommand)
 @click.option("--scan/--no-scan", default=True, show_default=True,
               help="Count records of every state with SCAN MATCH on the record prefix (its cost "
                    "grows with the keys in the database); --no-scan counts only the leases in the "
                    "deadline index (active, and recoveries not yet confirmed) and says \"not "
                    "counted\" (JSON: null) for the other states.")
+@click.option("--explain", is_flag=True,
+              help="Add a column saying what each lifetime counter counts (listed below too).")
 @json_option
 @click.pass_context
 @_command
-def stats(ctx: click.Context, scan: bool, as_json: bool) -> None:
-    """Counts by state, lifetime counters and the oldest active lease."""
+def stats(ctx: click.Context, scan: bool, explain: bool, as_json: bool) -> None:
+    """Counts by state, lifetime counters and the oldest active lease.
+
+    The lifetime counters are cluster-wide totals of this key prefix, kept in
+    the lease store since it was first used (they never reset).
+    """
     data = {"prefix": _prefix(ctx), **_stats(_store(ctx), scan)}
     if as_json:
         _emit_json(data)
@@ -209,8 +221,12 @@ def stats(ctx: click.Context, scan: bool, as_json: bool) -> None:
     click.echo(f"\ndeadline index: {data['indexed']} lease(s), {data['due']} due now")
     click.echo("oldest active lease: " + ("-" if oldest is None else
                f"{duration(oldest['age_s'] * 1000)} ({oldest['name'] or '-'}[{oldest['task_id']}])"))
-    click.echo("\nlifetime counters:")
-    click.echo(_indent(table(("COUNTER", "VALUE"), data["counters"].items())))
+    click.echo("\nlifetime counters" + ("" if explain else " (what each counts: --explain, or --help)") + ":")
+    if explain:
+        click.echo(_indent(table(("COUNTER", "VALUE", "COUNTS"),
+                                 ((k, v, explain_counter(k) or "-") for k, v in data["counters"].items()))))
+    else:
+        click.echo(_indent(table(("COUNTER", "VALUE"), data["counters"].items())))
 
 
 @click.command(cls=LeasesCommand)

@@ -3,7 +3,10 @@
 The same broadcast as ``celery -A proj inspect leases`` (worker/control.py):
 each worker answers from its own memory, so this works while the store is
 down, and shows what every worker believes it holds (a ``LOST`` lease is one
-its heartbeat found taken over or expired).
+its heartbeat found taken over or expired). This is the table for people:
+``celery inspect`` prints every reply itself, a dict per lease as for
+``inspect active``, and its ``--json`` is the same data as ``ls --workers
+--json``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from .format import duration, table
 
 #: The remote-control command (worker/control.py).
 COMMAND = "leases"
+#: The table's columns: every field of the inspect reply, for people (docs/operations.md).
+HEADERS = ("WORKER", "TASK ID", "NAME", "TOKEN", "HELD", "RUNNING", "DEADLINE", "LOST")
 
 
 def ask_workers(app: Any, timeout: float) -> dict[str, list[dict]]:
@@ -73,12 +78,13 @@ def ls_workers(ctx: click.Context, name: str | None, worker: str | None, limit: 
     rows = []
     for hostname, leases in replies.items():
         for entry in leases:
-            running = entry.get("running_for")
+            running, held = entry.get("running_for"), entry.get("held_for")
             rows.append((hostname, entry["task_id"], entry.get("name") or "-", entry.get("token"),
+                         "-" if held is None else duration(held * 1000),
                          "not started" if running is None else duration(running * 1000),
                          _deadline(entry, now), "lost" if entry.get("lost") else "-"))
     empty = [hostname for hostname, leases in replies.items() if not leases]
     if rows:
-        click.echo(table(("WORKER", "TASK ID", "NAME", "TOKEN", "RUNNING", "DEADLINE", "LOST"), rows))
+        click.echo(table(HEADERS, rows))
     if empty:
         click.echo(("\n" if rows else "") + "holding no leases: " + ", ".join(empty))

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import redis
 
 from .calls import call_script
-from .codes import TERMINAL_STATES, Code
+from .codes import STATES, TERMINAL_STATES, Code
 
 SCRIPT_NAMES = (
     "acquire", "acquire_many", "reassert", "renew_many", "finish", "hand_over", "claim_expired", "mark_published",
@@ -37,10 +37,12 @@ def _read(name: str) -> str:
 
 
 def constants() -> str:
-    """The Lua lines naming every return code and the terminal states, from codes.py (their only copy)."""
+    """The Lua lines naming every return code, the known and the terminal states, from codes.py
+    (their only copy)."""
     lines = ["-- Generated from celery_leases/protocol/codes.py by scripts.py."]
     lines += [f"local {code.name} = {int(code)}" for code in Code]
     lines.append("local TERMINAL_STATES = {" + ", ".join(f"{s} = true" for s in sorted(TERMINAL_STATES)) + "}")
+    lines.append("local KNOWN_STATES = {" + ", ".join(f"{s} = true" for s in STATES) + "}")
     return "\n".join(lines)
 
 

@@ -11,6 +11,12 @@ while the store is unreachable. ``deadline`` is the latest moment the worker
 knows its lease to live (its last renewal or acquisition plus the ttl) on the
 store's clock as last read by the worker; the store's own deadline is a few
 milliseconds later.
+
+The reply keeps Celery's shape (a list of plain dicts, as ``inspect active``
+answers), so ``celery inspect leases --json`` and
+``app.control.broadcast("leases", reply=True)`` give the data as it is;
+``celery inspect`` prints each dict as it prints any reply, and
+``celery leases ls --workers`` (cli/workers.py) is the same data as a table.
 """
 from __future__ import annotations
 
@@ -69,6 +75,6 @@ def held_leases(worker: Any) -> list[dict]:
 
 @inspect_command()
 def leases(state: Any, **kwargs: Any) -> list[dict]:
-    """List the celery-leases leases this worker holds (token, deadline, running for, lost)."""
+    """List the celery-leases leases this worker holds (as a table: celery leases ls --workers)."""
     worker = get_worker(state.app)
     return [] if worker is None else held_leases(worker)

@@ -67,8 +67,11 @@ class Heartbeat:
     def __init__(self, store: LeaseStore, owner: str, interval: float,
                  on_lost: Callable[[str, Held, Code], None], sender: Any = None,
                  on_missing: Callable[[str, Held], bool] | None = None,
-                 loop: LoopWatch | None = None) -> None:
+                 loop: LoopWatch | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.owner = store, owner
+        #: Monotonic seconds (``time.monotonic``; a test drives its own): mark delays, tick
+        #: timing, and how long a lease is known to live (compared with time.monotonic()).
+        self.clock = clock
         #: Sender of the ``leases_renewed`` signal (the worker's app).
         self.sender = sender
         self.default_interval = interval
@@ -127,7 +130,7 @@ class Heartbeat:
             if held is None or held.token != token or held.started:
                 return
             held.started = True
-            self._starts[task_id] = (token, time.monotonic())
+            self._starts[task_id] = (token, self.clock())
             if self._starts_due:  # the thread is already on its way for the others
                 return
             self._starts_due = True
@@ -143,7 +146,7 @@ class Heartbeat:
         still needs no mark."""
         if not self._starts:  # the common case, without the lock
             return {}
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
             due = {task_id: token for task_id, (token, at) in self._starts.items()
                    if now - at >= START_MARK_DELAY}
@@ -217,7 +220,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sleeping_for = self.interval
-            due = time.monotonic() + self._sleeping_for
+            due = self.clock() + self._sleeping_for
             # Wake-ups for start marks send them and go back to sleep until the tick is due.
             self._tick_due = due
             while True:
@@ -225,10 +228,10 @@ class Heartbeat:
                 # that a tick is one call at any load.
                 if self._starts or self._starts_due:
                     self._guarded(self._send_starts_when_due)
-                if self._retick or time.monotonic() >= due:
+                if self._retick or self.clock() >= due:
                     self._retick = False
                     break
-                self._wake.wait(max(0.0, due - time.monotonic()))
+                self._wake.wait(max(0.0, due - self.clock()))
                 self._wake.clear()
                 if self._stop.is_set():
                     return
@@ -252,7 +255,7 @@ class Heartbeat:
                     self._starts_due = False
                     return
                 oldest = min(at for _, at in self._starts.values())
-            now = time.monotonic()
+            now = self.clock()
             if now >= oldest + self.mark_wait:
                 self.send_starts()
                 return
@@ -322,7 +325,7 @@ class Heartbeat:
             return {}
         self.ticks += 1
         snapshot = {task_id: token for leases in groups.values() for task_id, token in leases.items()}
-        sent_at = time.monotonic()
+        sent_at = self.clock()
         try:
             not_renewed: dict[str, Code] = {}
             for (ttl, progress), leases in groups.items():
@@ -333,13 +336,13 @@ class Heartbeat:
             self.consecutive_failures += 1
             self.outage.failed(exc, f"{len(snapshot)} lease(s) not renewed")
             heartbeat_ticked.send(sender=self.sender, owner=self.owner, held=len(snapshot),
-                                  seconds=time.monotonic() - sent_at, failed=True)
+                                  seconds=self.clock() - sent_at, failed=True)
             return {}
         heartbeat_ticked.send(sender=self.sender, owner=self.owner, held=len(snapshot),
-                              seconds=time.monotonic() - sent_at, failed=False)
+                              seconds=self.clock() - sent_at, failed=False)
         self.outage.succeeded(f"{len(snapshot)} lease(s) renewed")
         self.consecutive_failures = 0
-        self.last_renewed_at = time.monotonic()
+        self.last_renewed_at = self.clock()
         with self.lock:
             for task_id, token in snapshot.items():
                 held = self.held.get(task_id)

@@ -242,6 +242,30 @@ def test_stats_counts_states_counters_and_the_oldest_active_lease(cli, store):
         [["dead", "1"], ["dead", "1"]]   # one state row, one counter row
 
 
+def test_stats_explains_each_lifetime_counter_in_its_help_with_explain_and_in_the_docs(cli, store):
+    from pathlib import Path
+    from celery_leases.cli.counters import COUNTERS
+    store.acquire("live", "w", ttl=60, name=f"{TASKS}.add")
+    # --help lists every counter with its one line (click wraps it: compared without line breaks)
+    help_text = " ".join(ok(cli("stats", "--help")).split())
+    for name, meaning in COUNTERS.items():
+        assert f"{name} {meaning}" in help_text, name
+    # the table says where the meanings are; --explain adds them as a column, one line each
+    assert "lifetime counters (what each counts: --explain, or --help):" in ok(cli("stats"))
+    out = ok(cli("stats", "--explain"))
+    rows = out.split("lifetime counters:\n", 1)[1].splitlines()
+    assert rows[0].split() == ["COUNTER", "VALUE", "COUNTS"]
+    shown = {row.split()[0]: row.split(None, 2)[2] for row in rows[1:]}
+    assert shown == COUNTERS and out.count("\n  acquired ") == 1
+    # --json is unchanged: counters only
+    assert set(json.loads(ok(cli("stats", "--json", "--explain")))["counters"]) == set(COUNTERS)
+    # and docs/operations.md has the same table
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = docs.split("### `stats [--no-scan] [--explain]`", 1)[1].split("\n###", 1)[0]
+    table = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", section, flags=re.MULTILINE))
+    assert table == COUNTERS
+
+
 def test_top_refreshes_until_the_iterations_are_done(cli, store):
     store.acquire("live", "host-a:1:aaa", ttl=60, name=f"{TASKS}.add")
     out = ok(cli("top", "--iterations", "2", "--interval", "0.1"))

@@ -50,9 +50,25 @@ def test_inspect_leases_answers_each_workers_held_leases(cli, celery_env, start_
     assert {host: sorted(e["task_id"] for e in leases) for host, leases in data.items()} == \
         {host: sorted(e["task_id"] for e in leases) for host, leases in replies.items()}
     table = ok(cli("ls", "--workers", "--timeout", "3", "--worker", f"{a}*"))
-    assert table.splitlines()[0].split()[:3] == ["WORKER", "TASK", "ID"]
-    rows = [line for line in table.splitlines()[1:] if line.startswith(a)]
-    assert len(rows) == 2 and all(" in " in row for row in rows)   # "in 1.5s" deadlines
+    assert table.splitlines()[0].split() == ["WORKER", "TASK", "ID", "NAME", "TOKEN", "HELD", "RUNNING",
+                                             "DEADLINE", "LOST"]
+    rows = [line.split() for line in table.splitlines()[1:] if line.startswith(a)]
+    assert len(rows) == 2 and sorted(row[1] for row in rows) == sorted(r.id for r in results)
+    for row in rows:   # every field of the reply: held, running, "in 1.5s" deadline, not lost
+        assert row[2] == f"{TASKS}.sleep_then_echo" and int(row[3]) >= 1
+        assert row[4].endswith("s") and row[5].endswith("s") and row[6:8] == ["in", row[7]]
+        assert row[8] == "-"
     assert b not in table
+
+    # And Celery's own inspect prints the reply as it prints `inspect active`'s (the table is
+    # `leases ls --workers`, which `inspect --list` names next to the command)
+    human = subprocess.run(
+        [CELERY, "-A", TASKS, "inspect", "leases", "--timeout", "3", "-d", ",".join(replies)],
+        cwd=str(ROOT), capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **celery_env})
+    assert human.returncode == 0 and human.stdout.count("* {'task_id': ") == 2, human
+    listed = subprocess.run([CELERY, "-A", TASKS, "inspect", "--list"], cwd=str(ROOT), capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), **celery_env})
+    assert "celery leases ls --workers" in " ".join(listed.stdout.split()), listed
     for r in results:
         r.revoke()

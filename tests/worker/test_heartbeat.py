@@ -172,3 +172,22 @@ def test_a_wedged_loop_is_logged_once_with_no_lease_held_and_again_when_it_runs(
         beat.tick()
     assert lines("runs again after a stall of at least 31.0s") and len(lines("runs again")) == 1
     assert beat.loop_wedged_for == 0.0
+
+
+def test_start_marks_wait_their_delay_on_the_heartbeat_clock(redis_server_url, key_prefix):
+    # Given a heartbeat on a clock the test drives, holding a lease whose task just started
+    from celery_leases.worker.heartbeat import START_MARK_DELAY
+    now = [100.0]
+    store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=5)
+    beat = Heartbeat(store, "w1", 1.0, lambda *a: None, clock=lambda: now[0])
+    acq = store.acquire("t1", "w1", ttl=5)
+    beat.add("t1", Held(acq.token, ttl=5))
+    beat.started("t1", acq.token)
+    # Then its mark is not due before START_MARK_DELAY has passed on that clock, and is after
+    now[0] += START_MARK_DELAY / 2
+    assert beat.take_due_starts() == {}
+    now[0] += START_MARK_DELAY
+    assert beat.take_due_starts() == {"t1": acq.token}
+    # And a renewal records when it was sent, on that clock too
+    beat.tick()
+    assert beat.last_renewed_at == now[0]

@@ -2,11 +2,11 @@
   Shared prelude, prepended by celery_leases/protocol/scripts.py to every script.
   Not a script of its own: it defines helpers only. Before it, scripts.py puts the
   return codes of celery_leases/protocol/codes.py as named constants (local OK = 10,
-  local LOST = 7, ...: the Code enum is their only definition) and TERMINAL_STATES,
-  the set of terminal states.
+  local LOST = 7, ...: the Code enum is their only definition), KNOWN_STATES and
+  TERMINAL_STATES, the sets of every state and of the terminal ones.
 
   now_ms()                   server clock in milliseconds (TIME), never a worker's
-  wrongtype(key, reply)      a pcall reply, or an error naming the key (a key of the wrong type)
+  or_corrupt(key, reply)     a pcall reply, or raise CORRUPT naming the key (a key of the wrong type)
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
   history_fields(key, n, e)  HSET arguments appending owner entry e (n entries so far)
@@ -64,7 +64,7 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function wrongtype(key, reply)
+local function or_corrupt(key, reply)
   if type(reply) == 'table' and reply.err then
     error({err = 'CORRUPT ' .. key .. ': ' .. reply.err})
   end
@@ -73,7 +73,7 @@ end
 
 local function read(key, ...)
   local names = {...}
-  local values = wrongtype(key, redis.pcall('HMGET', key, unpack(names)))
+  local values = or_corrupt(key, redis.pcall('HMGET', key, unpack(names)))
   local rec = {}
   for i, name in ipairs(names) do rec[name] = values[i] end
   return rec
@@ -115,9 +115,6 @@ local function check_type(key, want)
   end
   return nil
 end
-
-local KNOWN_STATES = {queued = true, active = true, recovering = true, succeeded = true, failed = true,
-                      dead = true, revoked = true}
 
 local function whole(v)
   local n = tonumber(v)
@@ -268,7 +265,7 @@ local function mark_starts(stats, keys, from, owner, tokens, at, alone)
   local now
   for k = from, #keys do
     local key = keys[k]
-    local v = wrongtype(key, redis.pcall('HMGET', key, 'holder', 'progress_timeout', 'progress_deadline'))
+    local v = or_corrupt(key, redis.pcall('HMGET', key, 'holder', 'progress_timeout', 'progress_deadline'))
     if v[1] == tokens[at + k - from] .. suffix then
       local progress_timeout = whole(v[2]) or 0
       if progress_timeout > 0 and (whole(v[3]) or 0) == 0 then
