@@ -20,6 +20,7 @@ from celery.worker.state import revoked as revoked_tasks
 from celery.worker.state import task_ready
 
 from .exceptions import LeaseLost, LeaseUnavailable
+from .worker.delivery import lease_delivery
 from .worker.revokes import decided
 from .runtime import get_worker
 from .protocol.settle import settle_finish
@@ -61,8 +62,9 @@ class LeasedRequest(Request):
     def _lease_defer(self, pool: Any, kwargs: dict) -> bool:
         """True when the acquire at receipt is still under way: the task is handed to
         the pool once its result is back (Receipt._acquired, worker/receipt.py)."""
-        if self.__dict__.get("_lease_inflight"):
-            self._lease_deferred = (pool, kwargs)
+        state = lease_delivery(self)
+        if state.inflight:
+            state.deferred = (pool, kwargs)
             return True
         return False
 
@@ -77,9 +79,10 @@ class LeasedRequest(Request):
         and TaskRevokedError, on which Celery frees the pool slot it took.
         """
         worker = get_worker(self._app)
-        if self.__dict__.get("_lease_pending") is not None and worker is not None:
+        state = lease_delivery(self)
+        if state.pending is not None and worker is not None:
             worker.receipt.acquire_pending(self)
-        if self.__dict__.get("_lease_refused"):
+        if state.refused:
             task_ready(self)
             self.acknowledge()
             raise TaskRevokedError(f"task {self.id!r}: settled at receipt, not run "

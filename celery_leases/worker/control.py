@@ -57,7 +57,8 @@ def held_leases(worker: Any) -> list[dict]:
         if server_now is not None and lease.live_until:
             deadline_ms = server_now + int((lease.live_until - mono) * 1000)
         time_start = getattr(request, "time_start", None)
-        asked_at = getattr(request, "__dict__", {}).get("_lease_asked_at")
+        state = getattr(request, "__dict__", {}).get("_lease")
+        asked_at = state.asked_at if state is not None else None
         out.append({
             "task_id": task_id,
             "name": getattr(request, "name", None) or "",

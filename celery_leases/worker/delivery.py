@@ -22,7 +22,8 @@ from ..exceptions import LeaseError
 from ..publish import MAX_PUBLISH_ID, PUBLISH_HEADER
 from ..protocol.keys import usable_id
 
-__all__ = ["MalformedMessage", "Throttled", "validate_message", "DeliveryWindow",
+__all__ = ["LeaseDelivery", "lease_delivery", "MalformedMessage", "Throttled", "validate_message",
+           "DeliveryWindow",
            "requeue_delay", "REQUEUES_HEADER", "DUE_HEADER", "local_eta", "describe", "eta_after"]
 
 #: Header of a copy re-queued because the lease store was unreachable: how many
@@ -36,6 +37,37 @@ DUE_HEADER = "lease_due_ms"
 
 #: Largest integer a header may carry: Lua numbers are doubles, exact below 2^53.
 _MAX_INT = 2 ** 53
+
+
+class LeaseDelivery:
+    """What one delivery of a leased task is to the lease, from receipt to its hand-over to
+    the pool: one object of ours on Celery's Request (``lease_delivery``), not attributes of
+    Celery's class. Read and written in the worker's main thread only."""
+
+    __slots__ = ("asked_at", "inflight", "deferred", "pending", "refused", "warned")
+
+    def __init__(self) -> None:
+        #: Monotonic time the acquire was sent: the lease lives at least until this + ttl.
+        self.asked_at: float | None = None
+        #: The acquire is under way (sent by the acquirer, its reply not read yet).
+        self.inflight = False
+        #: (pool, kwargs) of the hand-over to the pool that waits for the acquire's reply.
+        self.deferred: tuple | None = None
+        #: Work receipt left for when the task is due: a LeaseError to acquire again after, a
+        #: Throttled delivery window, or a parking to try again.
+        self.pending: Any = None
+        #: Receipt settled the delivery without running it (parked, refused, re-queued).
+        self.refused = False
+        #: Receipt already said once that the store was unreachable for this delivery.
+        self.warned = False
+
+
+def lease_delivery(request: Any) -> LeaseDelivery:
+    """``request``'s LeaseDelivery, made on first use."""
+    state = request.__dict__.get("_lease")
+    if state is None:
+        state = request.__dict__["_lease"] = LeaseDelivery()
+    return state
 
 
 class MalformedMessage(LeaseError):

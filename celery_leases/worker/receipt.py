@@ -42,7 +42,7 @@ from ..protocol.records import Acquisition
 from ..protocol.store import LeaseStore
 from .acquirer import Acquirer, Job
 from .delivery import (DUE_HEADER, REQUEUES_HEADER, DeliveryWindow, Throttled, describe,
-                       eta_after, local_eta, requeue_delay, validate_message)
+                       eta_after, lease_delivery, local_eta, requeue_delay, validate_message)
 from .heartbeat import Heartbeat, Held
 from .isolation import Isolation
 
@@ -60,7 +60,7 @@ def acquire_call(request: Any, config: LeaseConfig, owner: str, shared: bool = F
     message, request_dict = request.message, request.request_dict
     headers = message.headers or {}
     # Taken before the acquire is sent, so at most the server's deadline minus the ttl.
-    request._lease_asked_at = time.monotonic()
+    lease_delivery(request).asked_at = time.monotonic()
     return dict(task_id=request.id, owner=owner, ttl=config.ttl,
                 generation=int(headers.get("lease_generation") or 0),
                 attempt=int(request_dict.get("retries") or 0),
@@ -144,7 +144,8 @@ class Receipt:
         """The task is due to run and its receipt left work to finish: the store was
         unreachable (acquire again), the delivery window was full (look again), or
         parking failed (park again)."""
-        pending = request.__dict__.pop("_lease_pending", None)
+        state = lease_delivery(request)
+        pending, state.pending = state.pending, None
         if pending is None:
             return
         try:
@@ -184,14 +185,14 @@ class Receipt:
             if self.acquirer is not None:
                 # Sent now, read when the event loop sees the reply; the request
                 # is handed to its pool once it is in (LeasedRequest defers it).
-                request._lease_inflight = True
+                lease_delivery(request).inflight = True
                 self.acquirer.submit(Job(call, self._acquired, request,
                                          {"config": config, "epoch": self._epoch}))
                 return
             acq = self.store.acquire(**call)
             self._settle(request, config, acq)
         except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
-            request.__dict__.pop("_lease_inflight", None)
+            lease_delivery(request).inflight = False
             self._acquire_failed(request, exc, due=False)
 
     def _translate_due(self, request: Any) -> None:
@@ -214,11 +215,12 @@ class Receipt:
     def _acquired(self, job: Job, result: Any) -> None:
         """An acquire sent by the acquirer is answered: settle it, then hand the task to its pool."""
         request, config = job.request, job.context["config"]
-        request.__dict__.pop("_lease_inflight", None)
+        state = lease_delivery(request)
+        state.inflight = False
         if job.context["epoch"] != self._epoch:
             # The consumer dropped the request while its acquire was under way
             # (broker reconnect, shutdown): never run it; recovery takes the lease at once.
-            request.__dict__.pop("_lease_deferred", None)
+            state.deferred = None
             if isinstance(result, Acquisition) and result.owned:
                 self.release({request.id: result.token}, unstarted=True)
             return
@@ -229,7 +231,7 @@ class Receipt:
                 self._acquire_failed(request, result, due=False)
         except Exception as exc:  # noqa: BLE001 - fail closed; the request is still handed over below
             self._acquire_failed(request, exc, due=False)
-        deferred = request.__dict__.pop("_lease_deferred", None)
+        deferred, state.deferred = state.deferred, None
         if deferred is not None:
             self._execute(request, *deferred)
 
@@ -267,14 +269,14 @@ class Receipt:
         Re-queueing from here would loop: Celery receives an ETA copy at once
         and holds it, so each copy would be re-queued as soon as it arrived.
         """
-        request._lease_pending = reason
+        lease_delivery(request).pending = reason
         first = not (request.message.headers or {}).get(REQUEUES_HEADER)
         logger.log(logging.WARNING if first and isinstance(reason, LeaseUnavailable) else logging.DEBUG,
                    "task %s: %s at receipt; trying again when it is due to run",
                    describe(request), reason if isinstance(reason, Throttled)
                    else f"lease store unreachable ({reason})")
         if first and isinstance(reason, LeaseUnavailable):
-            request._lease_warned = True
+            lease_delivery(request).warned = True
 
     def _park(self, request: Any, exc: BaseException, due: bool) -> None:
         """A permanent error: the delivery is never run and never re-queued; it is parked
@@ -298,7 +300,7 @@ class Receipt:
             if due:
                 self._requeue_later(request, LeaseUnavailable(f"parking failed: {park_exc!r}"))
             else:
-                request._lease_pending = _ParkLater(exc)
+                lease_delivery(request).pending = _ParkLater(exc)
             return
         self._refused(request)  # park_delivery logged it, naming the task, key and field
 
@@ -312,7 +314,7 @@ class Receipt:
         """Receipt settled this delivery without running it: acknowledge it now (its
         prefetch slot is free at once); Celery's hand-over then completes it without
         its pool (LeasedRequest.execute_using_pool)."""
-        request._lease_refused = True
+        lease_delivery(request).refused = True
         request.acknowledge()
 
     def _settle(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
@@ -327,7 +329,7 @@ class Receipt:
             # Until then the lease lives whatever happens to this worker; a body that
             # starts later checks it first (LeasedTask.__call__): the worker may have
             # been paused meanwhile, and its lease taken over.
-            live_until = request.__dict__.get("_lease_asked_at", time.monotonic()) + config.ttl
+            live_until = (lease_delivery(request).asked_at or time.monotonic()) + config.ttl
             request_dict["lease_expires_at"] = live_until
             if acq.isolate:
                 # An earlier death's blame was uncertain: this run is marked started before
@@ -341,7 +343,7 @@ class Receipt:
             lease_acquired.send(sender=task, task_id=request.id, token=acq.token, owner=self.owner,
                                 taken_over=acq.code is Code.TAKEN_OVER)
             requeues = (message.headers or {}).get(REQUEUES_HEADER)
-            if requeues or request.__dict__.get("_lease_warned"):
+            if requeues or lease_delivery(request).warned:
                 logger.info("task %s[%s]: lease acquired (token %s) after the lease store was "
                             "unreachable (%s re-queue(s))", task.name, request.id, acq.token, requeues or 0)
             return
@@ -411,7 +413,7 @@ class Receipt:
         # One line per task when it goes unreachable (here, unless receipt already
         # said so), not one per copy; a postponement is rare and always said.
         first = not requeues and not isinstance(exc, Throttled)
-        loud = isinstance(exc, Throttled) or (first and not request.__dict__.get("_lease_warned"))
+        loud = isinstance(exc, Throttled) or (first and not lease_delivery(request).warned)
         logger.log(logging.WARNING if loud else logging.DEBUG,
                    "task %s[%s]: %s (%s); message re-queued to run in %gs (ETA %s by the %s)%s",
                    request.task.name, request.id, what, exc, delay, headers["eta"], source,

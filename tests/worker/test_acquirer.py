@@ -18,6 +18,7 @@ import redis
 
 import celery_leases
 
+from celery_leases.worker.delivery import lease_delivery
 from celery_leases import Code, LeasedTask, LeaseStore, install
 from celery_leases.config import get_config
 from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
@@ -495,9 +496,9 @@ def test_a_request_is_handed_to_its_pool_only_once_its_lease_is_held(lease_worke
     worker, hub, task, message = lease_worker
     request = Request(task, message)
     worker.receipt.on_received(request)
-    assert request.__dict__.get("_lease_inflight")
+    assert lease_delivery(request).inflight
     # Celery hands the request over while the reply is still on its way: deferred.
-    request._lease_deferred = ("pool", {})
+    lease_delivery(request).deferred = ("pool", {})
     assert request.executed_with == []
     wait_readable(hub)
     token = worker.store.get(request.id).token
@@ -511,7 +512,7 @@ def test_acquires_under_way_when_the_consumer_drops_its_requests_are_released(le
     requests = [Request(task, message) for _ in range(3)]
     for request in requests:
         worker.receipt.on_received(request)
-        request._lease_deferred = ("pool", {})
+        lease_delivery(request).deferred = ("pool", {})
     # A broker reconnect: Celery drops the requests it had not started.
     worker.release_dropped()
     assert all(request.executed_with == [] for request in requests)
