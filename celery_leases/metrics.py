@@ -44,7 +44,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from .protocol.codes import OUTCOMES, Code
 from .signals import (callbacks_failed, delivery_parked, heartbeat_ticked, lease_acquired, lease_dead, lease_lost,
-                      lease_recovered, leases_renewed, recovery_pass, stale_outcome_rejected,
+                      lease_recovered, leases_renewed, outbox_status, recovery_pass, stale_outcome_rejected,
                       result_written_by_recovery, undelivered_republished)
 from .worker.health import set_exporter
 
@@ -92,6 +92,7 @@ class LeaseMetrics:
             (undelivered_republished, self._on_undelivered),
             (result_written_by_recovery, self._on_result_written),
             (heartbeat_ticked, self._on_tick), (recovery_pass, self._on_recovery_pass),
+            (outbox_status, self._on_outbox_status),
         ]
         for signal, receiver in self._receivers:
             signal.connect(receiver, weak=False)
@@ -131,7 +132,17 @@ class LeaseMetrics:
         self.recovery_passes = C("recovery_passes", "Recovery passes due, by result: ran, skipped "
                                  "(another recoverer took the interval), failed (the store did not "
                                  "answer).", ["result"], **kw)
-        self._collectors = [self.acquired, self.renewed, self.lost, self.recovered, self.dead,
+        # Set by an outbox relay (celery_leases/outbox/relay.py) every few seconds: the same
+        # database seen from every worker that relays it, so dashboards take the max.
+        G = prometheus_client.Gauge
+        self.outbox_depth = G("outbox_depth", "Rows waiting in the outbox (sent, committed, not "
+                              "published yet), as the relay last read them.", multiprocess_mode="livemax", **kw)
+        self.outbox_oldest_age = G("outbox_oldest_age_seconds", "Age of the oldest row waiting in the "
+                                   "outbox (0 when empty), on the database's clock.",
+                                   multiprocess_mode="livemax", **kw)
+        self.outbox_parked = G("outbox_parked", "Rows the outbox relay parked (could not decode or "
+                               "publish), waiting in the parked table.", multiprocess_mode="livemax", **kw)
+        self._collectors = [self.outbox_depth, self.outbox_oldest_age, self.outbox_parked, self.acquired, self.renewed, self.lost, self.recovered, self.dead,
                             self.refused, self.parked, self.time_to_recovery, self.callbacks_failed,
                             self.undelivered, self.renew_seconds, self.renew_failures, self.held,
                             self.recovery_passes, self.results_written]
@@ -259,6 +270,13 @@ class LeaseMetrics:
         if self._ours(sender):
             self.recovery_passes.labels(result=result or "unknown").inc()
 
+    def _on_outbox_status(self, sender: Any = None, depth: int = 0, oldest_age: float | None = None,
+                          parked: int = 0, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self.outbox_depth.set(depth)
+            self.outbox_oldest_age.set(oldest_age or 0.0)
+            self.outbox_parked.set(parked)
+
     def _on_parked(self, sender: Any = None, field: str = "", **kwargs: Any) -> None:
         if self._ours(sender):
             self.parked.labels(field=field or "none").inc()
@@ -278,7 +296,8 @@ def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celer
     ``_refused_total{outcome}``, ``_parked_total{field}``, ``_callbacks_failed_total``,
     ``_undelivered_republished_total``, ``_results_written_by_recovery_total``,
     ``_renew_failures_total``,
-    ``_recovery_passes_total{result}``, ``_held`` (gauge),
+    ``_recovery_passes_total{result}``, ``_held``, ``_outbox_depth``,
+    ``_outbox_oldest_age_seconds`` and ``_outbox_parked`` (gauges),
     ``_time_to_recovery_seconds`` and ``_renew_seconds`` (histograms). The known label
     values (``taken_over``, the lost reasons, the refused outcomes, the pass results)
     are exported at 0 from the start.
