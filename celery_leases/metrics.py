@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -182,7 +183,8 @@ class LeaseMetrics:
         if not path and not prefork:
             return  # one process: the registry as it is
         if not path:
-            path = self._own_dir = tempfile.mkdtemp(prefix="celery-leases-prometheus-")
+            _remove_stale_dirs()
+            path = self._own_dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = path   # the pool processes inherit it
             atexit.register(self.worker_stopped)
         if not getattr(prometheus_values.ValueClass, "_multiprocess", False):
@@ -280,6 +282,31 @@ class LeaseMetrics:
     def _on_parked(self, sender: Any = None, field: str = "", **kwargs: Any) -> None:
         if self._ours(sender):
             self.parked.labels(field=field or "none").inc()
+
+
+#: Name of the multiprocess directories workers make: the prefix, the worker's process id, a dash.
+_DIR_PREFIX = "celery-leases-prometheus-"
+_DIR_NAME = re.compile(re.escape(_DIR_PREFIX) + r"(\d+)-")
+
+
+def _remove_stale_dirs() -> None:
+    """Remove the multiprocess directories of workers that are gone without removing theirs
+    (killed): one whose process no longer exists. A directory of a live process stays."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        match = _DIR_NAME.match(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            pass  # alive, another user's
 
 
 def enable_prometheus(app: Any, registry: Any = None, *, namespace: str = "celery_leases") -> LeaseMetrics:

@@ -93,8 +93,12 @@ def health_worker(celery_env, own_server, tmp_path, request):
 
     def start(pool: str = "prefork", concurrency: int = 1, wait: bool = True, **env: str):
         port, health_file = free_port(), tmp_path / "worker.live"
+        # The worker's temporary files (prefork's metrics directory) in the test's directory:
+        # a worker killed at the end leaves its own behind.
+        (tmp_path / "tmp").mkdir(exist_ok=True)
         env = {**celery_env, "LEASES_TEST_BROKER": broker.url, "LEASES_TEST_LEASES_URL": store.url,
-               "LEASES_TEST_HTTP_PORT": str(port), "LEASES_TEST_HEALTH_FILE": str(health_file), **env}
+               "LEASES_TEST_HTTP_PORT": str(port), "LEASES_TEST_HEALTH_FILE": str(health_file),
+               "TMPDIR": str(tmp_path / "tmp"), **env}
         worker = Worker(f"h{len(started) + 1}", env, pool=pool, concurrency=concurrency, app=HEALTH_APP,
                         log_dir=tmp_path)
         started.append(worker)
@@ -193,10 +197,18 @@ def test_a_wedged_event_loop_fails_livez_and_readyz(health_worker, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_runs_beside_a_metrics_worker_and_metrics_sum_the_pool(health_worker):
-    # Given a prefork worker of an app module that enables Prometheus and sets leases_http_port,
+def test_the_cli_runs_beside_a_metrics_worker_and_metrics_sum_the_pool(health_worker, tmp_path):
+    # Given the metrics directory a killed worker left behind (its process is gone)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / "tmp" / f"celery-leases-prometheus-{gone.pid}-x1"
+    stale.mkdir(parents=True)
+    (stale / "counter_1.db").write_bytes(b"")
+    # And a prefork worker of an app module that enables Prometheus and sets leases_http_port,
     # as docs/operations.md says
     worker, port, _ = health_worker("prefork", concurrency=2)
+    # Then the worker removed the stale directory before making its own
+    assert not stale.exists()
     env = {**os.environ, "PYTHONPATH": str(ROOT), **health_worker.env(), "LEASES_TEST_HTTP_PORT": str(port)}
 
     # When the CLI imports the same module, with the same port, while the worker runs
@@ -233,7 +245,7 @@ def test_the_cli_runs_beside_a_metrics_worker_and_metrics_sum_the_pool(health_wo
     assert all(name.startswith("celery_leases_") for name, _ in found), sorted(found)
     # And the multiprocess directory the worker made is removed at shutdown
     directory = re.search(r"metrics are kept in (\S+) \(removed at shutdown\)", worker.log()).group(1)
-    assert os.path.isdir(directory)
+    assert os.path.isdir(directory) and Path(directory).name.startswith(f"celery-leases-prometheus-{worker.pid}-")
     worker.stop()
     assert not os.path.exists(directory)
 
@@ -266,8 +278,9 @@ def test_the_kubernetes_example_probes_what_its_worker_serves(own_server, tmp_pa
     # And app.py, with Redis URLs and a port of this test's in the manifest's environment
     broker, store = own_server("broker"), own_server("leases")
     port = free_port()
+    (tmp_path / "tmp").mkdir()
     env = {**manifest_env, "BROKER_URL": broker.url, "RESULT_BACKEND": broker.url,
-           "LEASES_REDIS_URL": store.url, "LEASES_HTTP_PORT": str(port)}
+           "LEASES_REDIS_URL": store.url, "LEASES_HTTP_PORT": str(port), "TMPDIR": str(tmp_path / "tmp")}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     spec = importlib.util.spec_from_file_location("k8s_example_app", K8S / "app.py")
