@@ -81,12 +81,12 @@ def send(conn: Any, sig: Any, *, app: Any = None, publish_on_commit: bool = True
     publish_id = new_publish_id()
     db = target.dialect
     hook = publish_on_commit and target.kind in ("session", "django")
+    params: tuple = (result.id, publish_id, str(sig.get("task") or "")[:255], payload)
     try:
-        row_id = target.execute(db.insert(table), (result.id, publish_id, str(sig.get("task") or "")[:255],
-                                                     payload))
-        notify = db.notify(table)
-        if notify and not hook:
-            target.execute(notify, (table.channel,))
+        if db.notify(table) and not hook:  # PostgreSQL: the relays wake at COMMIT
+            row_id = target.execute(db.insert_notify(table), (*params, table.channel))  # type: ignore[attr-defined]
+        else:
+            row_id = target.execute(db.insert(table), params)
     except Exception as exc:
         if _missing_table(exc, table):
             raise OutboxError(f"celery_leases.outbox.send: the outbox table {table} does not exist in "

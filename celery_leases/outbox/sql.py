@@ -158,6 +158,11 @@ class PostgreSQL(Dialect):
     def notify(self, table: Table) -> str:
         return f"SELECT pg_notify({self.param}, '')"
 
+    def insert_notify(self, table: Table) -> str:
+        """``insert`` and ``notify`` in one statement (one round trip): params of both."""
+        return (f"WITH sent AS ({self.insert(table)}) "
+                f"SELECT sent.id FROM sent, (SELECT pg_notify({self.param}, '')) AS woken")
+
     def listen(self, table: Table) -> str:
         return f'LISTEN "{table.channel}"'
 

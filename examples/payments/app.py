@@ -8,7 +8,11 @@ Three protections, one per kind of side effect (docs/fencing.md):
 - the order row in our SQLite ledger is written with a **fenced update**, so a
   worker that lost its lease cannot overwrite what the newer owner wrote;
 - each step is a **once-only step** (``self.lease.once``), so a re-run skips
-  the steps an earlier owner completed.
+  the steps an earlier owner completed;
+- the receipt is a task of its own, sent through the **outbox** in the fenced
+  write's transaction (``outbox.send`` on the ledger's connection): the order
+  is paid and its receipt will be sent, or neither (docs/fencing.md, "The next
+  task in the same transaction"). The workers relay the ledger's outbox.
 
 Configured from the environment (``run.py`` sets it): PAYMENTS_REDIS_URL,
 PAYMENTS_LEDGER (SQLite file), PAYMENTS_WORKER (a name for the audit trail),
@@ -24,7 +28,8 @@ from contextlib import closing
 from celery import Celery
 
 import celery_leases
-from celery_leases import LeasedTask, StaleFence, fenced_update, idempotency_key
+from celery_leases import LeasedTask, StaleFence, fenced_update, idempotency_key, outbox
+from celery_leases.outbox import Database
 
 REDIS_URL = os.environ.get("PAYMENTS_REDIS_URL", "redis://127.0.0.1:6379/0")
 LEDGER = os.environ.get("PAYMENTS_LEDGER", "ledger.db")
@@ -40,6 +45,8 @@ app.conf.update(
     # production leave worker recovery on (the default) and/or run beat.
     leases_worker_recovery=False,
     worker_prefetch_multiplier=1,
+    leases_outbox_url=f"sqlite:///{LEDGER}",   # every worker relays the ledger's outbox
+    leases_outbox_poll_interval=0.2,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )
@@ -89,7 +96,9 @@ def ledger() -> sqlite3.Connection:
 
 def init_ledger(orders: dict[str, int]) -> None:
     """Create the tables and the pending orders (order id -> amount in cents)."""
+    Database(f"sqlite:///{LEDGER}").create()   # the outbox table: celery leases outbox init
     with closing(ledger()) as db, db:
+        db.execute("PRAGMA journal_mode = WAL")   # readers (a paused worker's relay) never block writers
         db.executescript(SCHEMA)
         db.executemany("INSERT OR IGNORE INTO orders (id, amount_cents) VALUES (?, ?)", orders.items())
 
@@ -126,10 +135,12 @@ def charge_card_and_record(task_id: str, order_id: str, token: int) -> str:
     charge_id = card_processor_charge(idempotency_key(task_id, "charge"), order_id, amount, token)
     with closing(ledger()) as db:
         try:
-            with db:  # one transaction: the fenced row and the audit line commit together
+            with db:  # one transaction: the fenced row, the audit line and the receipt task
                 fenced_update(db, "orders", order_id, token,
                               {"status": "paid", "charge_id": charge_id, "paid_by": WORKER})
                 audit(db, token, "order marked paid", f"fenced write accepted, fence = {token}")
+                receipt = outbox.send(db, send_receipt.s(order_id))
+                audit(db, token, "receipt task sent", f"{receipt.id[:8]} (commits with the order)")
         except StaleFence as exc:
             with db:
                 audit(db, token, "fenced write refused", str(exc))
@@ -137,11 +148,14 @@ def charge_card_and_record(task_id: str, order_id: str, token: int) -> str:
     return charge_id
 
 
-def send_receipt(key: str, order_id: str, token: int) -> None:
-    """Step "send-receipt": the mailer, simulated; also idempotent per key."""
+@app.task(base=LeasedTask, bind=True)
+def send_receipt(self, order_id: str) -> None:
+    """The mailer, simulated; idempotent per key. Sent through the outbox by the step that
+    marked the order paid, so it exists only if that write committed."""
+    key = idempotency_key(self.request.id, "send-receipt")
     with closing(ledger()) as db, db:
         db.execute("INSERT OR IGNORE INTO receipts VALUES (?, ?, ?)", (key, order_id, WORKER))
-        audit(db, token, "receipt sent", order_id)
+        audit(db, self.lease.token, "receipt sent", order_id)
 
 
 @app.task(base=LeasedTask, bind=True)
@@ -154,6 +168,4 @@ def charge(self, order_id: str) -> dict:
     if charge_id is None:  # an earlier owner completed the step: read what it recorded
         with closing(ledger()) as db:
             (charge_id,) = db.execute("SELECT charge_id FROM orders WHERE id = ?", (order_id,)).fetchone()
-    self.lease.once("send-receipt", send_receipt, idempotency_key(self.request.id, "send-receipt"),
-                    order_id, token)
     return {"order": order_id, "charge_id": charge_id, "worker": WORKER, "token": token}

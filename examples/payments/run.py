@@ -154,7 +154,9 @@ def main() -> int:
         say(f"worker A's outcome was refused too; the lease record: state {record.state}, "
             f"token {record.token}")
 
-        # 5. The ledger
+        # 5. The receipt task, sent through the outbox with B's fenced write, runs once
+        wait_for(lambda: query("SELECT sent_by FROM receipts WHERE order_id = ?", ORDER), 15, "the receipt")
+        # 6. The ledger
         print_table("card_charges (the card processor's books):", "SELECT * FROM card_charges")
         print_table("orders (our books, written by fenced update only):", "SELECT * FROM orders")
         print_table("receipts:", "SELECT * FROM receipts")
