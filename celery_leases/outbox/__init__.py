@@ -40,16 +40,12 @@ from .claims import claim, publish_batch
 from .connections import Target, target_of
 from .database import Database, Executor
 from .relay import Relay, Status
-from .sql import DEFAULT_TABLE, Table
+from .sql import DEFAULT_TABLE, INIT_COMMAND, Table, missing_table
 
 __all__ = ["send", "OutboxError", "Relay", "Status", "Database", "Table", "DEFAULT_TABLE",
            "INIT_COMMAND", "table_of"]
 
 logger = logging.getLogger("celery_leases.outbox")
-
-#: The command that creates the outbox table, as errors name it.
-INIT_COMMAND = "celery -A proj leases outbox init"
-
 
 class OutboxError(LeaseError):
     """``send`` could not write its row (the table is missing, the connection is not one
@@ -88,7 +84,7 @@ def send(conn: Any, sig: Any, *, app: Any = None, publish_on_commit: bool = True
         else:
             row_id = target.execute(db.insert(table), params)
     except Exception as exc:
-        if _missing_table(exc, table):
+        if missing_table(exc, table):
             raise OutboxError(f"celery_leases.outbox.send: the outbox table {table} does not exist in "
                               f"this database; create it with `{INIT_COMMAND}` (or the Django "
                               f"migration of celery_leases.contrib.django): {exc}") from exc
@@ -108,18 +104,6 @@ def _absolute_times(sig: Any) -> None:
     expires = options.get("expires")
     if isinstance(expires, (int, float)) and not isinstance(expires, bool):
         options["expires"] = now + timedelta(seconds=float(expires))
-
-
-def _missing_table(exc: BaseException, table: Table) -> bool:
-    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
-    if code in ("42P01", "3F000"):  # PostgreSQL: undefined table, undefined schema
-        return True
-    args = getattr(exc, "args", ())
-    if args and args[0] == 1146:  # MySQL: table doesn't exist
-        return True
-    text = str(exc).lower()
-    return table.name.lower() in text and any(
-        words in text for words in ("no such table", "does not exist", "doesn't exist"))
 
 
 # -- the commit hooks' publish -------------------------------------------------------

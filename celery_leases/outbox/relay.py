@@ -29,6 +29,7 @@ from ..signals import outbox_status
 from ..worker.outage import Outage
 from .claims import Batch, claim, publish_batch
 from .database import Database, Executor
+from .sql import INIT_COMMAND, missing_table
 
 __all__ = ["Relay", "Status"]
 
@@ -227,7 +228,9 @@ class Relay:
     def _failed(self, exc: BaseException) -> None:
         self.delay = min(max(self.RETRY_DELAY, self.delay * 2), self.retry_max_delay)
         self.delays.append(self.delay)
-        self.outage.failed(exc, f"next try in {self.delay:g}s, the delay doubling up to "
+        hint = (f"the table {self.database.table} does not exist: create it with `{INIT_COMMAND}`; "
+                if missing_table(exc, self.database.table) else "")
+        self.outage.failed(exc, f"{hint}next try in {self.delay:g}s, the delay doubling up to "
                                 f"{self.retry_max_delay:g}s; the rows wait in the database")
 
     def _healthy(self) -> None:

@@ -19,10 +19,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Table", "Dialect", "DIALECTS", "dialect", "table_error", "DEFAULT_TABLE", "CLAIM_SECONDS"]
+__all__ = ["Table", "Dialect", "DIALECTS", "dialect", "table_error", "missing_table", "DEFAULT_TABLE",
+           "CLAIM_SECONDS", "INIT_COMMAND"]
 
 #: The default table name (``leases_outbox_table``).
 DEFAULT_TABLE = "celery_leases_outbox"
+#: The command that creates the outbox table, as errors name it.
+INIT_COMMAND = "celery -A proj leases outbox init"
 #: SQLite: seconds a relay's claim on a row lasts; a relay that dies after its claim leaves
 #: the row to the next relay after this long (published again: refused at receipt).
 CLAIM_SECONDS = 60.0
@@ -228,3 +231,17 @@ def dialect(name: str, param: str | None = None) -> Dialect:
     if cls is None:
         raise ValueError(f"the outbox supports PostgreSQL, SQLite and MySQL 8, not {name!r}")
     return cls() if param is None else cls(param)
+
+
+def missing_table(exc: BaseException, table: Table) -> bool:
+    """True when the driver's ``exc`` says the outbox table (or its schema) does not exist."""
+    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    if code in ("42P01", "3F000"):  # PostgreSQL: undefined table, undefined schema
+        return True
+    args = getattr(exc, "args", ())
+    if args and args[0] == 1146:  # MySQL: table doesn't exist
+        return True
+    text = str(exc).lower()
+    return table.name.lower() in text and any(
+        words in text for words in ("no such table", "does not exist", "doesn't exist"))
+

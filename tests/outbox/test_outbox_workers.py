@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from celery import chain, chord, group
 
 import celery_leases
 from celery_leases import outbox
@@ -114,7 +115,7 @@ def test_a_relay_killed_between_publish_and_delete_gives_one_run(pg_outbox, outb
     assert run_counts(history) == {r.id: 1 for r in sent}
 
 
-def test_two_relays_share_the_outbox_and_each_task_runs_once(pg_outbox, outbox_table, app, start_worker,
+def test_two_relays_share_the_outbox_and_each_task_and_canvas_runs_once(pg_outbox, outbox_table, app, start_worker,
                                                             history):
     # Given two workers, each relaying the outbox
     for name in ("a", "b"):
@@ -125,11 +126,19 @@ def test_two_relays_share_the_outbox_and_each_task_runs_once(pg_outbox, outbox_t
     for batch in range(6):
         sent += [outbox.send(conn, app.tasks[ADD].s(batch, i)) for i in range(50)]
         conn.commit()
+    # and a chain, a group and a chord, one row each
+    add, tsum = app.tasks[ADD], app.tasks["tests.support.apps.leased_app.tsum"]
+    in_chain = outbox.send(conn, chain(add.s(1, 2), add.s(10)))
+    in_group = outbox.send(conn, group(add.s(1, 1), add.s(2, 2)))
+    in_chord = outbox.send(conn, chord([add.s(3, 3), add.s(4, 4)], tsum.s()))
+    conn.commit()
     conn.close()
     # Then each runs once and the waiters get their results
     store = celery_leases.store(app)
     assert results_of(sent, store, timeout=60) == [b + i for b in range(6) for i in range(50)]
     assert_ran_once_with_a_lease(history, sent)
+    assert results_of([in_chain, in_chord], store, timeout=30) == [13, 14]
+    assert in_group.get(timeout=30) == [2, 4]
     # And no row was published twice (no second copy reached a worker)
     stats = store.stats()
     assert sum(int(stats.get(k, 0)) for k in ("busy_deliveries", "finished_deliveries", "stale_deliveries")) == 0

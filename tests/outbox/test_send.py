@@ -11,7 +11,7 @@ import logging
 import sqlite3
 
 import pytest
-from celery import chain, group
+from celery import chain, chord, group
 
 import celery_leases
 from celery_leases import outbox
@@ -19,6 +19,7 @@ from celery_leases.outbox import OutboxError, Relay
 from celery_leases.outbox.database import Database
 
 ADD = "tests.support.apps.leased_app.add"
+TSUM = "tests.support.apps.leased_app.tsum"
 
 
 @pytest.fixture
@@ -112,22 +113,24 @@ def test_a_task_exists_if_and_only_if_its_transaction_commits(kind, backend, req
     assert database.dialect.name == ("postgresql" if backend == "pg" else "sqlite")
 
 
-def test_a_chain_and_a_group_are_one_row_each_published_with_their_frozen_ids(sqlite_url, app, outbox_table,
+def test_a_chain_a_group_and_a_chord_are_one_row_each_published_with_their_frozen_ids(sqlite_url, app, outbox_table,
                                                                              redis_client, key_prefix):
     make_table(sqlite_url, outbox_table)
     add = app.tasks[ADD]
     conn = sqlite3.connect(Database(sqlite_url).sqlite_path())
     in_chain = outbox.send(conn, chain(add.s(1, 2), add.s(3)))
     in_group = outbox.send(conn, group(add.s(1, 1), add.s(2, 2)))
+    in_chord = outbox.send(conn, chord([add.s(3, 3), add.s(4, 4)], app.tasks[TSUM].s()))
     conn.commit()
-    assert conn.execute(f"SELECT count(*) FROM {outbox_table}").fetchone()[0] == 2
+    assert conn.execute(f"SELECT count(*) FROM {outbox_table}").fetchone()[0] == 3
     conn.close()
     relay = Relay(app, sqlite_url, outbox_table)
     relay.run_once()
     relay.close()
     ids = {task_id for task_id, _, _ in messages(redis_client, key_prefix)}
-    # The chain's first task (its second one is sent by the worker) and both group members
-    assert ids == {in_chain.parent.id, *(r.id for r in in_group.results)}
+    # The chain's first task (its second one is sent by the worker), both group members and
+    # both chord header tasks (the body is sent once they finished)
+    assert ids == {in_chain.parent.id, *(r.id for r in in_group.results), *(r.id for r in in_chord.parent.results)}
 
 
 def test_a_row_published_twice_carries_the_same_task_id_and_publish_id(pg_database, app, outbox_table,
@@ -307,3 +310,15 @@ def test_mysql_init_send_and_relay(mysql_url, app, outbox_table, redis_client, k
         cur.execute(f"DROP TABLE IF EXISTS `{outbox_table}`, `{outbox_table}_parked`")
         conn.commit()
         conn.close()
+
+
+def test_a_relay_without_its_table_names_the_init_command(sqlite_url, app, caplog):
+    relay = Relay(app, sqlite_url, "no_such_outbox", retry_max_delay=0.1)
+    relay.RETRY_DELAY = 0.05
+    with caplog.at_level(logging.ERROR, logger="celery_leases.outbox"):
+        relay.start()
+        import time
+        time.sleep(0.3)
+        relay.stop()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "celery -A proj leases outbox init" in errors[0], errors
