@@ -269,15 +269,21 @@ def test_the_lease_store_away_at_commit_keeps_the_rows_until_it_is_back(own_serv
     app.close()
 
 
-def test_a_postgresql_relay_wakes_at_commit(pg_database, app, outbox_table, redis_client, key_prefix):
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_a_postgresql_relay_wakes_at_commit(driver, pg_database, app, outbox_table, redis_client, key_prefix,
+                                            monkeypatch):
+    import sys
     import time
     make_table(pg_database, outbox_table)
+    if driver == "psycopg2":
+        monkeypatch.setitem(sys.modules, "psycopg", None)  # the relay's connections fall back to psycopg2
     relay = Relay(app, pg_database, outbox_table, poll_interval=30.0).start()
     try:
         time.sleep(0.3)  # listening
-        conn = pg_connect(pg_database, "psycopg")
+        conn = pg_connect(pg_database, driver)
         sent = outbox.send(conn, app.tasks[ADD].s(1, 2))
         time.sleep(0.3)
+        assert relay.database.driver == driver
         assert messages(redis_client, key_prefix) == []  # not committed: not woken
         began = time.monotonic()
         conn.commit()
@@ -322,3 +328,29 @@ def test_a_relay_without_its_table_names_the_init_command(sqlite_url, app, caplo
         relay.stop()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "celery -A proj leases outbox init" in errors[0], errors
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("leases_outbox_url", "redis://localhost/0", "leases_outbox_url must be None \\(off\\) or the outbox.s database"),
+    ("leases_outbox_poll_interval", 0, "leases_outbox_poll_interval must be a positive number of seconds"),
+])
+def test_a_broken_relay_setting_stops_the_worker_not_a_publisher(setting, value, message):
+    from celery import Celery
+
+    from celery_leases import ConfigurationError
+    from celery_leases.config import get_config
+    app = Celery("cfg", broker="redis://127.0.0.1:1/0")
+    app.conf[setting] = value
+    celery_leases.install(app)  # a publisher: fine
+    with pytest.raises(ConfigurationError, match=message):
+        get_config(app)  # what a worker checks at start
+
+
+def test_a_broken_table_name_fails_install():
+    from celery import Celery
+
+    from celery_leases import ConfigurationError
+    app = Celery("cfg", broker="redis://127.0.0.1:1/0")
+    app.conf.leases_outbox_table = "orders; DROP TABLE users"
+    with pytest.raises(ConfigurationError, match="leases_outbox_table must be a table name"):
+        celery_leases.install(app)
