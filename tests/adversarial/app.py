@@ -4,7 +4,7 @@ ADV_BROKER / ADV_BACKEND / ADV_LEASES   Redis URLs (each scenario decides which 
 ADV_PREFIX        key prefix and queue name
 ADV_HISTORY_DIR   where every process appends its history (chaos.history: files survive faults)
 ADV_WORKER        this worker's name in the history
-ADV_TTL, ADV_MAX_RECOVERIES, ADV_PREFETCH, ADV_UNAVAILABLE_DELAY, ADV_ACKS_LATE
+ADV_TTL, ADV_MAX_RECOVERIES, ADV_PREFETCH, ADV_UNAVAILABLE_DELAY, ADV_ACKS_LATE, ADV_DELIVERY_TIMEOUT
 ADV_PUBLISH_RETRIES task_publish_retry_policy max_retries (Celery's default: 3)
 
 Tasks: ``adv.work(seq, seconds)`` returns ``{"seq", "token", "exec"}``; ``adv.callback``
@@ -45,6 +45,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_worker_recovery=True,
         leases_beat_schedule=False,
         leases_unavailable_retry_delay=float(get("ADV_UNAVAILABLE_DELAY", "1")),
+        leases_delivery_timeout=float(get("ADV_DELIVERY_TIMEOUT", "600")),
         task_acks_late=get("ADV_ACKS_LATE", "0") == "1",
         worker_prefetch_multiplier=int(get("ADV_PREFETCH", "1")),
         broker_connection_retry=True,

@@ -40,7 +40,11 @@ def scenario(directory, long: bool = False, pool: str = "threads", seed: int = 1
     from celery import chain, chord, group
 
     rng = random.Random(seed)
-    with Run(f"{NAME}-{pool}-{seed}", directory, ADV_MAX_RECOVERIES=str(MAX_RECOVERIES)) as run:
+    # A message a worker took from the broker and died with before its acquire comes back through
+    # its publish record after leases_delivery_timeout (docs/recovery.md): 10 s here, so that a
+    # pill that kills its worker in that window does not hold a case for the default 600 s.
+    with Run(f"{NAME}-{pool}-{seed}", directory, ADV_MAX_RECOVERIES=str(MAX_RECOVERIES),
+             ADV_DELIVERY_TIMEOUT="10") as run:
         run.server("main")
         run.wire("main")
         workers = {f"{pool}{n}": run.worker(f"{pool}{n}", pool, 4) for n in range(2)}

@@ -3,7 +3,7 @@
 A death is the task's own on a pool of one task per process, or when it ran alone
 (``mark_started(alone=True)``); a death it shared with other tasks of one process, or
 before its start mark, is uncertain: no recovery, a bounded uncertain one, and the task's
-next runs are isolated (``Acquisition.isolate``).
+next runs are isolated (``Acquisition.isolate``) from the second such death on.
 """
 from __future__ import annotations
 
@@ -25,33 +25,48 @@ def _die(store, task_id, owner, *, shared, alone=False, started=True, generation
     return acq, claim
 
 
-def test_a_death_shared_with_other_tasks_counts_no_recovery_and_isolates_the_task(make_store):
+def test_a_death_shared_with_other_tasks_counts_no_recovery(make_store):
     # Given a task running beside others on a threads worker (shared), when that worker dies
     store = make_store(max_recoveries=1)
     acq, claim = _die(store, "t", A, shared=True)
 
-    # Then it is not charged a recovery, only an uncertain one, and its next run is isolated
+    # Then it is not charged a recovery, only an uncertain one, and it runs again as usual
+    # (one death from outside, an OOM kill or a deploy, isolates nothing)
     assert not acq.isolate
     assert (claim.code, claim.recoveries) == (Code.RECOVERED, 0)
     record = store.get("t")
-    assert (record.unstarted_recoveries, record.isolate) == (1, True)
+    assert (record.unstarted_recoveries, record.isolate) == (1, False)
     again = acquire(store, "t", B, generation=claim.generation, started=False, shared=True)
+    assert again.owned and not again.isolate
+
+
+def test_a_second_uncertain_death_isolates_the_task(make_store):
+    # Given a task that died beside others twice
+    store = make_store(max_recoveries=1)
+    _, first = _die(store, "t", A, shared=True)
+    _, second = _die(store, "t", B, shared=True, generation=first.generation)
+    # Then still no recovery is charged, and every later run is isolated
+    assert (second.code, second.recoveries) == (Code.RECOVERED, 0)
+    record = store.get("t")
+    assert (record.unstarted_recoveries, record.isolate) == (2, True)
+    again = acquire(store, "t", A, generation=second.generation, started=False, shared=True)
     assert again.owned and again.isolate
 
 
 def test_a_death_while_running_alone_is_the_tasks_own(make_store):
-    # Given an isolated task marked started alone on a shared-process worker
+    # Given a pill isolated after two deaths beside others on a shared-process worker
     store = make_store(max_recoveries=1)
     _, first = _die(store, "pill", A, shared=True)
+    _, second = _die(store, "pill", B, shared=True, generation=first.generation)
     # When it kills its worker max_recoveries + 1 times, each time alone
-    _, second = _die(store, "pill", B, shared=True, alone=True, generation=first.generation)
-    _, third = _die(store, "pill", A, shared=True, alone=True, generation=second.generation)
+    _, third = _die(store, "pill", B, shared=True, alone=True, generation=second.generation)
+    _, fourth = _die(store, "pill", A, shared=True, alone=True, generation=third.generation)
 
     # Then each of those deaths counts, and it is dead after max_recoveries recoveries
-    assert (second.code, second.recoveries) == (Code.RECOVERED, 1)
-    assert third.code is Code.DEAD
+    assert (third.code, third.recoveries) == (Code.RECOVERED, 1)
+    assert fourth.code is Code.DEAD
     record = store.get("pill")
-    assert (record.state, record.recoveries, record.unstarted_recoveries) == ("dead", 1, 1)
+    assert (record.state, record.recoveries, record.unstarted_recoveries) == ("dead", 1, 2)
 
 
 def test_a_pool_of_one_task_per_process_keeps_its_exact_blame(make_store):
@@ -63,14 +78,15 @@ def test_a_pool_of_one_task_per_process_keeps_its_exact_blame(make_store):
     assert second.code is Code.DEAD
 
 
-def test_an_unmarked_death_isolates_the_task_so_its_next_death_is_exact(make_store):
-    # Given a body that killed its (solo) worker before its start mark went out
+def test_unmarked_deaths_isolate_the_task_so_its_next_death_is_exact(make_store):
+    # Given a body that killed its (solo) worker twice before its start mark went out
     store = make_store(max_recoveries=0)
     _, first = _die(store, "quick", A, shared=False, started=False)
-    assert (first.code, first.recoveries) == (Code.RECOVERED, 0)
+    _, second = _die(store, "quick", A, shared=False, started=False, generation=first.generation)
+    assert (second.code, second.recoveries) == (Code.RECOVERED, 0)
 
     # When the next run, isolated, is marked started before its body and dies again
-    again = acquire(store, "quick", B, generation=first.generation, started=False, ttl=SHORT)
+    again = acquire(store, "quick", B, generation=second.generation, started=False, ttl=SHORT)
     assert again.isolate
     assert store.mark_started(B, {"quick": again.token}, alone=True) == 1
     wait_out()
@@ -82,15 +98,19 @@ def test_an_unmarked_death_isolates_the_task_so_its_next_death_is_exact(make_sto
 
 
 def test_a_take_over_charges_a_shared_death_as_a_recovery_pass_would(make_store):
-    # Given a lease of a shared-process worker, started beside others, expired unclaimed
+    # Given a lease of a shared-process worker, started beside others, expired unclaimed twice
     store = make_store(max_recoveries=0)
     acquire(store, "t", A, ttl=SHORT, shared=True)
     wait_out()
-    # When a restored copy takes it over (no recovery pass ran)
-    took = acquire(store, "t", B, started=False, shared=True)
-    # Then it is not dead (max_recoveries 0 would have made a counted death fatal), and isolated
-    assert (took.code, took.recoveries, took.isolate) == (Code.TAKEN_OVER, 0, True)
-    assert store.get("t").unstarted_recoveries == 1
+    # When restored copies take it over (no recovery pass ran)
+    took = acquire(store, "t", B, ttl=SHORT, shared=True)
+    # Then it is not dead (max_recoveries 0 would have made a counted death fatal)
+    assert (took.code, took.recoveries, took.isolate) == (Code.TAKEN_OVER, 0, False)
+    wait_out()
+    again = acquire(store, "t", A, started=False, shared=True)
+    # And the second uncertain death isolates it
+    assert (again.code, again.recoveries, again.isolate) == (Code.TAKEN_OVER, 0, True)
+    assert store.get("t").unstarted_recoveries == 2
 
 
 def test_uncertain_deaths_keep_a_bound(make_store):
@@ -108,9 +128,10 @@ def test_uncertain_deaths_keep_a_bound(make_store):
 
 
 def test_a_new_publish_of_a_finished_task_starts_without_isolation(make_store):
-    # Given a task isolated by an uncertain death, then finished
+    # Given a task isolated by two uncertain deaths, then finished
     store = make_store(max_recoveries=1)
-    _, claim = _die(store, "t", A, shared=True, publish="p1")
+    _, first = _die(store, "t", A, shared=True, publish="p1")
+    _, claim = _die(store, "t", B, shared=True, publish="p1", generation=first.generation)
     acq = acquire(store, "t", B, generation=claim.generation, shared=True, publish="p1")
     assert acq.isolate
     store.finish("t", B, acq.token, "succeeded")

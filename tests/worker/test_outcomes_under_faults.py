@@ -274,7 +274,12 @@ def test_a_hand_over_withheld_in_a_store_outage_leaves_the_task_to_recovery_neve
             store.recover()
             time.sleep(0.5)
         assert r.get(timeout=10) == 3
-        assert store.get(r.id).state == "succeeded" and store.get(r.id).recoveries == 1
+        record = store.get(r.id)
+        assert record.state == "succeeded"
+        if pool == "prefork":  # the lease expired with its body run: one recovery
+            assert (record.recoveries, record.unstarted_recoveries) == (1, 0)
+        else:  # its process runs other tasks too (threads): the blame is uncertain
+            assert (record.recoveries, record.unstarted_recoveries) == (0, 1)
         app.close()
     finally:
         lease_redis.stop()

@@ -43,8 +43,10 @@ def test_every_task_runs_once_after_the_broker_restarted_empty(client_app, broke
     # When the broker's server is killed and restarted empty (no persistence)
     broker_server.kill()
     broker_server.restart()
-    # (the worker, reconnecting, may have declared its bindings already: the queue itself is empty)
-    assert broker_server.client().llen(key_prefix) == 0
+    # (the worker, reconnecting, may have declared its bindings already, and put back the
+    # messages it held in memory, lease-held deliveries: the prefetched one and the 3 ETA
+    # ones; the 19 waiting in the broker are gone)
+    assert broker_server.client().llen(key_prefix) <= 4
     # Then every waiter gets its result
     for i, result in enumerate(short):
         assert result.get(timeout=60) == i

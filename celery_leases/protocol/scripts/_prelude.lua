@@ -29,7 +29,8 @@
                              how the death of an expired active lease's owner is charged to its
                              task (claim_expired, acquire's take-over): 'released', 'counted' or
                              'uncertain', the task's recoveries and uncertain recoveries after
-                             it, and true when that death makes the task dead
+                             it, true when that death makes the task dead, and true when its
+                             next runs are isolated (a second uncertain death)
   is_terminal(state)         true for succeeded, failed, dead and revoked
   end_lease(key, deadlines, message, task_id, state, now, retention, ...)
                              write terminal ``state`` (and the extra field/value pairs
@@ -179,17 +180,20 @@ local function charge_death(rec, key, limit)
   --   uncertain  never marked started (prefetched, or a body that died before its mark went
   --              out), or it ran beside other tasks in one process (threads, gevent,
   --              eventlet: any of them may have killed it): an uncertain recovery, bounded
-  --              by unstarted_limit; its next runs are isolated (acquire's reply)
+  --              by unstarted_limit; from the second one on, its next runs are isolated
+  --              (acquire's reply). One uncertain death is what a worker killed from outside
+  --              (OOM, a deploy) costs each of its tasks: they run again as usual. A second
+  --              one is a pattern (a pill, or a task beside pills): isolation settles it.
   -- (Records without a started field predate it and count as started.)
   local recoveries = num(rec, key, 'recoveries')
   local uncertain = num(rec, key, 'unstarted_recoveries')
-  if rec.unstarted == '1' then return 'released', recoveries, uncertain, false end
+  if rec.unstarted == '1' then return 'released', recoveries, uncertain, false, false end
   if rec.started ~= '0' and (rec.shared ~= '1' or rec.alone == '1') then
-    if recoveries >= limit then return 'counted', recoveries, uncertain, true end
-    return 'counted', recoveries + 1, uncertain, false
+    if recoveries >= limit then return 'counted', recoveries, uncertain, true, false end
+    return 'counted', recoveries + 1, uncertain, false, false
   end
   uncertain = uncertain + 1
-  return 'uncertain', recoveries, uncertain, uncertain > unstarted_limit(limit)
+  return 'uncertain', recoveries, uncertain, uncertain > unstarted_limit(limit), uncertain >= 2
 end
 
 local function is_terminal(state)

@@ -6,7 +6,7 @@
   is a later retry attempt than the record's, or when the previous owner's lease
   has expired and no recovery has claimed it yet (a take-over, charged to the
   task by charge_death's rule, as a recovery pass would). Older copies of the
-  message are stale. A task whose blame for an earlier death was uncertain
+  message are stale. A task whose blame was uncertain for two earlier deaths
   (field isolate) is answered with isolate 1: its owner runs it alone and marks
   its start before the body (mark_started.lua, alone), so its next death is
   charged exactly.
@@ -178,7 +178,7 @@ elseif state then
     end
     -- The owner stopped renewing and no recovery has claimed the lease yet: charged as a
     -- recovery pass would (the record's own bound, as it is this task's).
-    local charge, counted, uncertain, is_dead = charge_death(rec, key, max_recoveries)
+    local _, counted, uncertain, is_dead, isolates = charge_death(rec, key, max_recoveries)
     if is_dead then
       end_lease(key, deadlines, message, task_id, 'dead', now, tonumber(ARGV[11]), 'owner', '',
                 'unstarted_recoveries', uncertain)
@@ -186,7 +186,7 @@ elseif state then
       return {DEAD, token, generation, recoveries, 'dead'}
     end
     recoveries, unstarted_recoveries = counted, uncertain
-    if charge == 'uncertain' then isolate = true end
+    if isolates then isolate = true end
     code = TAKEN_OVER
   end
 end

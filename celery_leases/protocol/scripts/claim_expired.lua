@@ -8,9 +8,9 @@
   the next pass claims the lease again without counting another recovery.
   What the dead owner's lease costs its task is charge_death's rule (the
   prelude): a recovery when the death is the task's own, an uncertain one
-  (bounded by unstarted_limit) when it may not be, and then the task's next
-  runs are isolated (field isolate, answered by acquire); nothing for a lease
-  released unstarted. Past either bound the task becomes dead instead.
+  (bounded by unstarted_limit) when it may not be, and from the second of those
+  the task's next runs are isolated (field isolate, answered by acquire); nothing
+  for a lease released unstarted. Past either bound the task becomes dead instead.
 
   Input:
     KEYS[1] deadlines sorted set
@@ -78,9 +78,11 @@ for i = 1, (#KEYS - 2) / 2 do
       local limit = max_recoveries
       if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
       -- A recovering lease claimed again (its re-publish never confirmed) costs nothing more.
-      local charge, recoveries, uncertain, is_dead = 'released', num(rec, key, 'recoveries'),
-        num(rec, key, 'unstarted_recoveries'), false
-      if state == 'active' then charge, recoveries, uncertain, is_dead = charge_death(rec, key, limit) end
+      local charge, recoveries, uncertain, is_dead, isolates = 'released', num(rec, key, 'recoveries'),
+        num(rec, key, 'unstarted_recoveries'), false, false
+      if state == 'active' then
+        charge, recoveries, uncertain, is_dead, isolates = charge_death(rec, key, limit)
+      end
       if is_dead then
         -- Dead; the message stays until the caller confirms its notice
         -- (mark_published), and the index entry brings it back if it never does.
@@ -96,7 +98,7 @@ for i = 1, (#KEYS - 2) / 2 do
       else
         local fields = {'state', 'recovering', 'owner', '', 'generation', generation,
                         'recoveries', recoveries, 'attempt', 0, 'unstarted_recoveries', uncertain}
-        if charge == 'uncertain' then
+        if isolates then
           fields[#fields + 1] = 'isolate'; fields[#fields + 1] = '1'
         end
         redis.call('HSET', key, unpack(fields))
