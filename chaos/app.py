@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Mapping
 
 import redis
@@ -38,6 +39,7 @@ from celery.app.task import Context
 from celery.signals import task_failure, task_received, task_success
 
 from chaos.history import HistoryWriter
+from chaos.senders import OUTBOX_DB
 
 MODES = ("leases", "plain")
 TASK_NAME = "chaos.work"
@@ -121,7 +123,18 @@ def settings(env: Mapping[str, str]) -> dict:
         # Short, so tasks a broker_loss took are re-published within the run; a task only late
         # behind the backlog gets a copy that acquire refuses as stale.
         leases_delivery_timeout=float(env.get("CHAOS_DELIVERY_TIMEOUT", "10")),
+        # The kill_sender fault's outbox (chaos/senders.py): a SQLite file in the run directory,
+        # beside the workers' history; the workers relay it (leases mode).
+        leases_outbox_url=_outbox_url(env) if mode == "leases" else None,
+        leases_outbox_poll_interval=0.2,
     )
+
+
+def _outbox_url(env: Mapping[str, str]) -> str | None:
+    history = env.get("CHAOS_HISTORY_DIR")
+    if not history:
+        return None  # the harness: it sends, it does not relay
+    return f"sqlite:///{Path(history).parent / OUTBOX_DB}"
 
 
 def create_app(env: Mapping[str, str], *, results: bool = True) -> Celery:

@@ -61,7 +61,7 @@ INVARIANTS = ("lost", "still_active", "double_accepted", "not_newest_token",
 
 #: Fault-log entries that count as injected faults.
 FAULT_KINDS = ("kill_worker", "kill_child", "stop_worker", "redis_restart", "redis_pause",
-               "restart_worker", "lease_store_pause", "malformed", "broker_loss")
+               "restart_worker", "lease_store_pause", "malformed", "broker_loss", "kill_sender")
 
 
 @dataclass

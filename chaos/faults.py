@@ -24,6 +24,7 @@ KINDS = {
     "lease_store_pause": 2,  # SIGSTOP the lease store's own redis-server past the ttl, then SIGCONT
     "malformed": 2,       # raw publishes a client could send: a bad id, non-integer headers
     "broker_loss": 1,     # SIGKILL the broker's own redis-server (no persistence), start it empty
+    "kill_sender": 2,     # a process sends tasks with a transaction, SIGKILLed right after COMMIT (senders.py)
 }
 
 #: The malformed messages the ``malformed`` fault publishes (``Fault.variant`` names one):
@@ -151,6 +152,9 @@ def make_schedule(seed: int, duration: float, params: ScheduleParams) -> list[Fa
         elif kind == "broker_loss":
             # Every message waiting in the broker (and plain mode's unacked ones) is gone.
             fault = Fault(t, kind, seconds=round(rng.uniform(0.2, 1.0), 2))
+        elif kind == "kill_sender":
+            # pick: varies the sender's task durations (chaos/senders.py).
+            fault = Fault(t, kind, pick=rng.randrange(4))
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
         faults.append(fault)

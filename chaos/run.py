@@ -36,7 +36,7 @@ from typing import Any
 
 import redis
 
-from chaos import checker
+from chaos import checker, senders
 from chaos.app import (
     BACKEND_DB,
     BROKER_DB,
@@ -99,6 +99,7 @@ def run_mode(config: RunConfig, mode: str, *, scenario: str = "faults") -> tuple
     app = submit_app = None
     data: dict[str, Any] = {}
     try:
+        senders.prepare(cluster)
         cluster.start()
         app = create_app(cluster.client_env())
         submit_app = create_app(cluster.client_env(), results=False)
@@ -124,6 +125,9 @@ def run_mode(config: RunConfig, mode: str, *, scenario: str = "faults") -> tuple
         stop.set()
         settle = _wait_settled(app, mode, list(submitted), window_end, healed_at + config.settle_timeout)
         _wait_quiet(app, cluster, mode, config.quiet_timeout)
+        with cluster.lock:  # the tasks the kill_sender faults committed join the workload
+            tasks = tasks + list(cluster.sender_tasks)
+            submitted.update(cluster.sender_submitted)
         final = collect(app, mode, [t.id for t in tasks])
         data = {
             "mode": mode, "seed": config.seed, "scenario": scenario,
@@ -204,6 +208,8 @@ def apply_fault(cluster: Cluster, fault: Fault) -> None:
         cluster.restart_worker(fault.slot)
     elif fault.kind == "broker_loss":
         cluster.broker_loss(fault.seconds)
+    elif fault.kind == "kill_sender":
+        senders.kill_sender(cluster, fault.pick)
     elif fault.kind == "lease_redis_restart":
         assert cluster.lease_redis is not None
         cluster.redis_restart(fault.variant, fault.seconds, server=cluster.lease_redis)

@@ -35,6 +35,7 @@ def test_chaos_short_form_breaks_no_invariant_in_leases_mode(tmp_path, capsys):
         print(f"\n\nchaos short form (CHAOS_SEED={SEED}, runs in {tmp_path}):\n{text}\n")
     # Then the faults really happened, and no invariant was broken
     for _, report in results:
-        assert report.submitted == config.tasks, report.mode
+        # the workload, and the tasks the kill_sender faults committed before their death
+        assert report.submitted >= config.tasks + 5, report.mode
         assert sum(report.faults.values()) >= 8, (report.mode, report.faults)  # fewer fit a slow run
     assert ok, f"invariants broken in leases mode; reproduce with CHAOS_SEED={SEED}\n{text}"
