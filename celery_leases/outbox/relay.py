@@ -64,13 +64,16 @@ class Relay:
 
     def __init__(self, app: Any, url: str, table: str | None = None, poll_interval: float = 1.0, *,
                  batch: int | None = None, retry_max_delay: float | None = None,
-                 name: str = "celery-leases-outbox-relay") -> None:
+                 name: str = "celery-leases-outbox-relay", listen: bool = True) -> None:
         self.app = app
         self.database = Database(url, table)
         self.poll_interval = poll_interval
         self.batch = batch or self.BATCH
         self.retry_max_delay = retry_max_delay or self.RETRY_MAX_DELAY
         self.name = name
+        #: PostgreSQL: wait on LISTEN between rounds (False: poll only, as on a gevent or
+        #: eventlet worker, where a blocking wait on the socket would stall the event loop).
+        self.listen = listen
         #: Rows this relay published and parked, and its rounds, since it started.
         self.published = 0
         self.parked = 0
@@ -94,7 +97,7 @@ class Relay:
         self._thread.start()
         logger.info("celery-leases: outbox relay started (%s, table %s, poll every %gs%s)", self.database,
                     self.database.table, self.poll_interval,
-                    ", woken by NOTIFY" if self.database.kind == "postgresql" else "")
+                    ", woken by NOTIFY" if self.database.kind == "postgresql" and self.listen else "")
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -189,7 +192,7 @@ class Relay:
                 pass
 
     def _listen(self) -> Any:
-        if self._listener is None and self.database.kind == "postgresql":
+        if self._listener is None and self.database.kind == "postgresql" and self.listen:
             conn = self.database.connect(autocommit=True)
             cur = conn.cursor()
             cur.execute(self.database.dialect.listen(self.database.table))  # type: ignore[attr-defined]

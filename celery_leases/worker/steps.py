@@ -237,7 +237,10 @@ class OutboxStep(bootsteps.StartStopStep):
         if lease_worker is None or not lease_worker.config.outbox_url:
             return
         config = lease_worker.config
-        self.relay = Relay(w.app, config.outbox_url, config.outbox_table, config.outbox_poll_interval)
+        # A green pool's loop would stall in a blocking LISTEN wait: there the relay polls.
+        green = type(w.pool).__module__ in ("celery.concurrency.gevent", "celery.concurrency.eventlet")
+        self.relay = Relay(w.app, config.outbox_url, config.outbox_table, config.outbox_poll_interval,
+                           listen=not green)
         self.relay.start()
 
     def stop(self, w: Any) -> None:

@@ -354,3 +354,13 @@ def test_a_broken_table_name_fails_install():
     app.conf.leases_outbox_table = "orders; DROP TABLE users"
     with pytest.raises(ConfigurationError, match="leases_outbox_table must be a table name"):
         celery_leases.install(app)
+
+
+def test_a_relay_told_not_to_listen_polls_postgresql(pg_database, app, outbox_table):
+    # (a gevent or eventlet worker's relay: a blocking LISTEN wait would stall its loop)
+    make_table(pg_database, outbox_table)
+    relay = Relay(app, pg_database, outbox_table, poll_interval=0.05, listen=False)
+    assert relay._listen() is None
+    relay._wait(0.05)  # a plain sleep
+    assert relay._listener is None
+    relay.close()
