@@ -38,8 +38,9 @@ setup(
             "pytest-order",
             "pytest-subtests",
             "pydantic",
-            # tests/adversarial/test_poison_pills_shared.py: poison pills on a gevent worker.
+            # tests/adversarial/test_poison_pills_green.py: poison pills on gevent and eventlet workers.
             "gevent",
+            "eventlet",
             # tests/outbox/: every connection celery_leases.outbox.send accepts (psycopg 3 is above).
             "psycopg2-binary",
             "SQLAlchemy>=2",

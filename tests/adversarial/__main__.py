@@ -21,7 +21,7 @@ from tests.adversarial.runner import Counts, table
 SCENARIOS = (
     "malformed_ids", "finish_timed_out", "poison_pill_threads", "broker_death_after_success",
     "skewed_clocks", "store_restarted_empty", "revoke_terminate", "prefetched_after_pause",
-    "main_paused_pool_runs", "volume", "large_arguments", "redis_restart_aof",
+    "main_paused_pool_runs", "volume", "large_arguments", "redis_restart_aof", "poison_pills_shared",
 )
 
 #: Scenario-specific counts that must be zero (the rest are reported only).
