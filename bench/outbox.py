@@ -66,7 +66,7 @@ def make_app(env: dict):
 def pg_database(cleanup: Cleanup) -> str:
     admin = psycopg.connect(PG_URL, autocommit=True, connect_timeout=5)
     name = f"outbox_bench_{uuid.uuid4().hex[:10]}"
-    admin.execute(f'CREATE DATABASE "{name}"')
+    admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
 
     def drop() -> None:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

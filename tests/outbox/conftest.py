@@ -9,6 +9,7 @@ table of its own (named after its key prefix).
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -34,7 +35,16 @@ def pg_database() -> Iterator[str]:
         skip_or_fail(f"PostgreSQL not reachable at {PG_URL.split('@')[-1]} (set LEASES_TEST_PG_URL): {exc!r}")
     name = f"leases_outbox_{uuid.uuid4().hex[:12]}"
     with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+        # template0: no session ever connects to it, so a CREATE DATABASE of another run
+        # (or anything connected to template1) cannot make this one fail.
+        for attempt in range(5):
+            try:
+                admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+                break
+            except psycopg.errors.ObjectInUse:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5)
         try:
             yield _with_db(PG_URL, name)
         finally:

@@ -65,9 +65,13 @@ def test_send_joins_the_atomic_block_and_publishes_on_commit(alias, django_dbs, 
         sent = [send(add.s(i, i), using=alias) for i in range(3)]
         with transaction.atomic(using=alias):  # a savepoint that commits with the block
             sent.append(send(add.s(9, 9), using=alias))
+        with pytest.raises(RuntimeError):
+            with transaction.atomic(using=alias):  # a savepoint rolled back: its row goes with it
+                undone = send(add.s(8, 8), using=alias)
+                raise RuntimeError("savepoint rolled back")
         assert queued(redis_client, key_prefix) == []
     assert sorted(queued(redis_client, key_prefix)) == sorted(r.id for r in sent)
-    assert dropped.id not in queued(redis_client, key_prefix)
+    assert dropped.id not in queued(redis_client, key_prefix) and undone.id not in queued(redis_client, key_prefix)
     relay = Relay(app, django_dbs[alias], TABLE)
     assert relay.status().depth == 0 and relay.run_once() == 0
     relay.close()
