@@ -35,7 +35,15 @@ $(VENV)/.has-package:
 	touch $@
 
 test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
-	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 tests/
+	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 -m "not long" tests/
+
+# -- poison pills on shared-process pools ------------------------------------------
+# Every seed and pool of the poison-pill scenarios (tests/adversarial/test_poison_pills_*.py:
+# threads seeds 1 and 2, gevent, eventlet); make test runs threads seed 1 and gevent.
+.PHONY: pills
+pills: venv
+	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile tests/adversarial/test_poison_pills_shared.py \
+		tests/adversarial/test_poison_pills_green.py
 
 # promtool checks and unit-tests monitoring/prometheus/ (tests/ops/test_monitoring.py).
 # It ships only in Debian's prometheus package (no PyPI or npm build of it);

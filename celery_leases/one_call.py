@@ -26,12 +26,13 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps as kombu_dumps
 
+from . import patches
 from .exceptions import LeaseError, LeaseUnavailable
 from .protocol.queued import QueuedTask, QueuedTasks
 
 logger = logging.getLogger("celery_leases.tracking")
 
-__all__ = ["OneCallRecord", "pending", "install", "uninstall", "same_server"]
+__all__ = ["OneCallRecord", "pending", "install", "same_server"]
 
 #: The record waiting for its message in this context (set at before_task_publish).
 pending: ContextVar["OneCallRecord | None"] = ContextVar("celery_leases_one_call", default=None)
@@ -96,16 +97,12 @@ def same_server(channel: Any, tracked: QueuedTasks) -> bool:
     return same
 
 
-_original_put: Any = None
-
-
 def install() -> None:
-    """Wrap kombu's Redis ``Channel._put`` (once per process)."""
-    global _original_put
+    """Wrap kombu's Redis ``Channel._put`` (once per process, patches.py)."""
     channel_cls = kombu_redis.Channel
-    if getattr(channel_cls._put, "_celery_leases_one_call", False):
+    original = channel_cls._put
+    if getattr(original, "_celery_leases_one_call", False):
         return
-    original = _original_put = channel_cls._put
 
     def _put(self: Any, queue: str, message: Any, **kwargs: Any) -> Any:
         record = pending.get()
@@ -119,15 +116,7 @@ def install() -> None:
         return original(self, queue, message, **kwargs)
 
     _put._celery_leases_one_call = True  # type: ignore[attr-defined]
-    channel_cls._put = _put
-
-
-def uninstall() -> None:
-    """kombu's own ``_put`` back (tests)."""
-    global _original_put
-    if _original_put is not None:
-        kombu_redis.Channel._put = _original_put
-        _original_put = None
+    patches.patch("kombu.transport.redis.Channel._put", channel_cls, "_put", _put)
 
 
 def _headers_id(message: Any) -> Any:

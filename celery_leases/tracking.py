@@ -45,7 +45,7 @@ from .publish import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
 from .config import client_config
 from .exceptions import LeaseError, LeaseUnavailable
 from .messages import publish_raw, request_of
-from . import one_call
+from . import one_call, patches
 from .one_call import OneCallRecord
 from .protocol.queued import QueuedTask, QueuedTasks, Undelivered
 from .protocol.store import LeaseStore
@@ -127,7 +127,7 @@ def _batch_groups() -> None:
     consumes at once); the batch lasts as long as that loop."""
     from celery import canvas
     original = canvas.group._apply_tasks
-    if getattr(original, "_celery_leases_batched", False):
+    if getattr(original, "_celery_leases_batched", False):  # installed already
         return
 
     def _apply_tasks(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -143,7 +143,7 @@ def _batch_groups() -> None:
             batch.flush()
 
     _apply_tasks._celery_leases_batched = True  # type: ignore[attr-defined]
-    canvas.group._apply_tasks = _apply_tasks
+    patches.patch("celery.canvas.group._apply_tasks", canvas.group, "_apply_tasks", _apply_tasks)
 
 
 @contextmanager
@@ -186,7 +186,7 @@ def _serialize_once() -> None:
         return original(data, serializer=serializer)
 
     dumps._celery_leases_once = True  # type: ignore[attr-defined]
-    messaging.dumps = dumps  # type: ignore[assignment]
+    patches.patch("kombu.messaging.dumps", messaging, "dumps", dumps)
 
 
 class _Batch:

@@ -16,7 +16,9 @@ Fixtures (:mod:`.plugin`):
   subprocess for your app and stops it after the test.
 
 Helpers (plain functions, :mod:`.helpers`): ``configure``, ``wait_for_lease``,
-``expire_lease``, ``make_stale``, ``run_recovery``; the launcher
+``expire_lease``, ``make_stale``, ``run_recovery``, ``undo_patches`` (every change
+the package made to Celery's and kombu's code in this process put back:
+celery_leases/patches.py); the launcher
 (:mod:`.workers`): ``Worker``, ``WorkerFactory``; and, importable without
 pytest (:mod:`.servers`, :mod:`.cluster`, :mod:`.supervisor`): ``RedisServer``,
 ``find_redis_server``, ``free_port``, ``wait_for``, ``RedisClusterServer``,
@@ -29,7 +31,7 @@ is the worker side of ``Worker`` (``__main__.py``). See docs/testing.md.
 """
 from __future__ import annotations
 
-from .helpers import configure, expire_lease, make_stale, run_recovery, wait_for_lease
+from .helpers import configure, expire_lease, make_stale, run_recovery, undo_patches, wait_for_lease
 from .plugin import (
     leases_conf, leases_key_prefix, leases_redis_url, leases_worker, pytest_runtest_makereport,
     report_worker_logs,
@@ -43,6 +45,6 @@ from .workers import Worker, WorkerFactory
 __all__ = [
     "leases_redis_url", "leases_key_prefix", "leases_conf", "leases_worker", "pytest_runtest_makereport",
     "report_worker_logs", "Worker", "WorkerFactory", "configure", "wait_for_lease", "expire_lease", "make_stale",
-    "run_recovery", "find_redis_server", "free_port", "RedisServer", "RedisServerError", "wait_for",
+    "run_recovery", "undo_patches", "find_redis_server", "free_port", "RedisServer", "RedisServerError", "wait_for",
     "REDIS_SERVER_ENV", "REDIS_URL_ENV", "START_TIMEOUT",
 ]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..protocol.records import LeaseRecord, RecoveryReport
     from ..protocol.store import LeaseStore
 
-__all__ = ["configure", "wait_for_lease", "expire_lease", "run_recovery", "make_stale"]
+__all__ = ["configure", "wait_for_lease", "expire_lease", "run_recovery", "make_stale", "undo_patches"]
 
 
 def configure(app: Any, conf: Mapping[str, Any]) -> Any:
@@ -118,3 +118,14 @@ def make_stale(app: Any, task_id: str, attempts: int = 5) -> "RecoveryReport":
             return report
     raise AssertionError(f"make_stale: task {task_id} kept its lease through {attempts} "
                          "expire-and-recover attempts (its owner renewed it each time)")
+
+
+def undo_patches() -> list[str]:
+    """Put back every change celery-leases made to Celery's and kombu's code in this process
+    (celery_leases/patches.py), and return their names. For a test process that must end
+    with Celery and kombu as they ship; apps installed before keep their own wrapped
+    ``send_task`` until they are closed."""
+    from .. import patches
+    names = patches.installed()
+    patches.undo_all()
+    return names

@@ -40,6 +40,7 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from .. import patches
 from ..publish import RECORDED_HEADER, recorded_headers
 
 logger = logging.getLogger("celery_leases.worker")
@@ -106,26 +107,17 @@ class LeaseHeldQoS(kombu_redis.QoS):
         logger.debug("celery-leases: %d lease-held message(s) put back on their queue(s)", len(items))
 
 
-_original: Any = None
+_NAME = "kombu.transport.redis.Channel.QoS"
 
 
 def install() -> bool:
-    """Make kombu's Redis channels of this process use LeaseHeldQoS (once); True if it did."""
-    global _original
-    channel = kombu_redis.Channel
-    if channel.QoS is LeaseHeldQoS:
-        return False
-    _original = channel.QoS
-    channel.QoS = LeaseHeldQoS
-    return True
+    """Make kombu's Redis channels of this process use LeaseHeldQoS (once, patches.py); True if it did."""
+    return patches.patch(_NAME, kombu_redis.Channel, "QoS", LeaseHeldQoS)
 
 
 def uninstall() -> None:
     """Give kombu's Redis channels their own QoS back (channels made meanwhile keep theirs)."""
-    global _original
-    if _original is not None and kombu_redis.Channel.QoS is LeaseHeldQoS:
-        kombu_redis.Channel.QoS = _original
-    _original = None
+    patches.undo(_NAME)
 
 
 def installed() -> bool:

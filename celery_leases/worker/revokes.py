@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 from celery import states
 from celery.worker.state import active_requests
 
+from .. import patches
 from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..protocol.codes import Code
@@ -109,7 +110,7 @@ def install_control_hook() -> None:
 
     revoke._celery_leases_hook = True  # type: ignore[attr-defined]
     revoke.__doc__ = current.__doc__
-    control.Panel.data["revoke"] = revoke
+    patches.patch_item("celery.worker.control.Panel[revoke]", control.Panel.data, "revoke", revoke)
 
 
 class HeldRevokes:

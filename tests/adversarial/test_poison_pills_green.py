@@ -12,7 +12,7 @@ from tests.adversarial.test_poison_pills_shared import scenario
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+@pytest.mark.parametrize("pool", ["gevent", pytest.param("eventlet", marks=pytest.mark.long)])
 def test_pills_take_no_innocent_down_on_a_green_pool(tmp_path, pool):
     counts = scenario(tmp_path, pool=pool, seed=1)
     print(counts.line())

@@ -98,7 +98,7 @@ def scenario(directory, long: bool = False, pool: str = "threads", seed: int = 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pool,seed", [("threads", 1), ("threads", 2)])
+@pytest.mark.parametrize("pool,seed", [("threads", 1), pytest.param("threads", 2, marks=pytest.mark.long)])
 def test_pills_take_no_innocent_down_on_a_shared_process_pool(tmp_path, pool, seed):
     counts = scenario(tmp_path, pool=pool, seed=seed)
     print(counts.line())

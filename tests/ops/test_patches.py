@@ -1,0 +1,55 @@
+"""Every change the package makes to Celery's and kombu's code is named in one place and undone.
+
+Run in a fresh interpreter: undoing the patches of the suite's own process would pull them
+from under the other tests.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SCRIPT = r'''
+import json
+import kombu.messaging, kombu.transport.redis as kr
+from celery import Celery, canvas
+from celery.worker import control
+import celery_leases
+from celery_leases import patches
+from celery_leases.testing import undo_patches
+from celery_leases.worker import held, revokes
+from celery_leases import one_call
+
+before = {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks, "put": kr.Channel._put,
+          "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"]}
+app = Celery("p", broker="redis://127.0.0.1:1/0")
+celery_leases.install(app)
+one_call.install()                 # an app's first recorded publish (one Redis)
+held.install()                     # a worker's LeaseStep on a Redis broker
+revokes.install_control_hook()     # a worker
+changed = {k: v is not {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks,
+                        "put": kr.Channel._put, "qos": kr.Channel.QoS,
+                        "revoke": control.Panel.data["revoke"]}[k] for k, v in before.items()}
+names = undo_patches()
+after = {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks, "put": kr.Channel._put,
+         "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"]}
+print(json.dumps({"changed": changed, "names": names,
+                  "restored": {k: after[k] is before[k] for k in before}, "left": patches.installed()}))
+'''
+
+
+def test_install_patches_are_named_in_one_place_and_undone():
+    # Given a fresh interpreter where install(app), the one-call publish, the worker's held
+    # deliveries and its revoke hook have changed Celery's and kombu's code
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    # Then each change is one of patches.py's names
+    assert all(report["changed"].values()), report
+    assert report["names"] == sorted(["kombu.messaging.dumps", "celery.canvas.group._apply_tasks",
+                                      "kombu.transport.redis.Channel._put",
+                                      "kombu.transport.redis.Channel.QoS",
+                                      "celery.worker.control.Panel[revoke]"])
+    # And undo_patches puts every original back, leaving nothing installed
+    assert all(report["restored"].values()), report
+    assert report["left"] == []
