@@ -143,7 +143,8 @@ class LeaseMetrics:
                                    multiprocess_mode="livemax", **kw)
         self.outbox_parked = G("outbox_parked", "Rows the outbox relay parked (could not decode or "
                                "publish), waiting in the parked table.", multiprocess_mode="livemax", **kw)
-        self._collectors = [self.outbox_depth, self.outbox_oldest_age, self.outbox_parked, self.acquired, self.renewed, self.lost, self.recovered, self.dead,
+        self._collectors = [self.outbox_depth, self.outbox_oldest_age, self.outbox_parked, self.acquired,
+                            self.renewed, self.lost, self.recovered, self.dead,
                             self.refused, self.parked, self.time_to_recovery, self.callbacks_failed,
                             self.undelivered, self.renew_seconds, self.renew_failures, self.held,
                             self.recovery_passes, self.results_written]

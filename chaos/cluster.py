@@ -44,7 +44,7 @@ class Slot:
     pool: str
     concurrency: int
     generation: int = 0
-    worker: Worker | None = None
+    worker: testing.Worker | None = None
     #: up | stopped | down | restarting
     state: str = "down"
     #: Set to end a running fault on this slot early (heal).
@@ -235,7 +235,7 @@ class Cluster:
         return None
 
     @staticmethod
-    def _pids(worker: Worker) -> list[int]:
+    def _pids(worker: testing.Worker) -> list[int]:
         try:
             return [worker.pid, *worker.children()]
         except Exception:  # noqa: BLE001 - best effort, for the log
@@ -304,7 +304,7 @@ class Cluster:
         worker.signal(signal.SIGSTOP)
         self._spawn(self._cont, s, worker, seconds)
 
-    def _cont(self, s: Slot, worker: Worker, seconds: float) -> None:
+    def _cont(self, s: Slot, worker: testing.Worker, seconds: float) -> None:
         s.wake.wait(seconds)
         try:
             worker.signal(signal.SIGCONT)
@@ -328,7 +328,7 @@ class Cluster:
         self._record("restart_worker", slot=s.index, worker=s.name, pids=self._pids(worker))
         self._spawn(self._restart, s, worker)
 
-    def _restart(self, s: Slot, worker: Worker) -> None:
+    def _restart(self, s: Slot, worker: testing.Worker) -> None:
         worker.stop(timeout=30)
         self._record("worker_stopped", slot=s.index, worker=s.name, rc=worker.proc.returncode)
         self._start_slot(s)

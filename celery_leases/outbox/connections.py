@@ -85,7 +85,7 @@ class _SQLAlchemySession(Target):
 
             def after_commit(s: Any) -> None:
                 # Fired for the outermost transaction only: every row sent in it is committed.
-                pending = list(callbacks)
+                pending: list[Any] = list(callbacks)
                 callbacks.clear()
                 for fn in pending:
                     fn()

@@ -112,7 +112,7 @@ class Database:
         try:
             import psycopg
         except ImportError:
-            psycopg = None
+            psycopg = None  # type: ignore[assignment]
         if psycopg is not None:
             self.driver = "psycopg"
             return psycopg.connect(self._dsn(), autocommit=autocommit, connect_timeout=5)

@@ -91,11 +91,12 @@ class LeaseHeldQoS(kombu_redis.QoS):
         held, self._held = self._held, {}
         if held:
             self._put_back(list(held.values()), client=client)
+        delivered: Any = self._delivered  # (kombu declares it None on the class, sets it per instance)
         with self.channel.conn_or_acquire(client) as conn:
-            for tag in self._delivered:
+            for tag in delivered:
                 if tag not in held:
                     self.restore_by_tag(tag, client=conn)
-        self._delivered.clear()
+        delivered.clear()
 
     def _put_back(self, items: list, leftmost: bool = False, client: Any = None) -> None:
         """Push held messages back onto their queues (flagged redelivered, as kombu does)."""

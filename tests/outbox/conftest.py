@@ -65,7 +65,7 @@ def sqlite_url(tmp_path) -> str:
 @pytest.fixture(scope="session")
 def mysql_url() -> str:
     try:
-        import pymysql
+        import pymysql  # noqa: F401 - only whether it is installed
     except ImportError:
         skip_or_fail("PyMySQL not installed (pip install -e '.[test]')")
     from celery_leases.outbox.database import Database
