@@ -30,25 +30,11 @@ def server(own_server):
 
 @pytest.fixture
 def celery_env(server, key_prefix, redis_server_url):
-    """One server for the broker and the leases (leases_redis_url unset); the results on the
-    session's server, which outlives every waiter."""
+    """One server for the broker and the leases (leases_redis_url unset); the results and the
+    tasks' history on the session's server, which outlives every waiter (and ``history`` reads)."""
     return {"LEASES_TEST_BROKER": server.url, "LEASES_TEST_BACKEND": redis_server_url,
-            "LEASES_TEST_PREFIX": key_prefix,
+            "LEASES_TEST_HISTORY_URL": redis_server_url, "LEASES_TEST_PREFIX": key_prefix,
             "LEASES_TEST_TTL": "2", "LEASES_TEST_RECOVERY_INTERVAL": "1"}
-
-
-@pytest.fixture
-def history(server, key_prefix):
-    client = redis.Redis.from_url(server.url)
-
-    def read() -> list:
-        out = []
-        for raw in client.lrange(f"{key_prefix}:history", 0, -1):
-            event, task_id, pid, *fields = raw.decode().split("|")
-            out.append((event, task_id, int(pid), dict(f.split("=", 1) for f in fields)))
-        return out
-    yield read
-    client.close()
 
 
 class Monitor:
