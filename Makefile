@@ -39,7 +39,7 @@ test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
 
 # -- poison pills on shared-process pools ------------------------------------------
 # Every seed and pool of the poison-pill scenarios (tests/adversarial/test_poison_pills_*.py:
-# threads seeds 1 and 2, gevent, eventlet); make test runs threads seed 1 and gevent.
+# threads and gevent with seeds 1 and 2, eventlet); make test runs threads and gevent with seed 1.
 .PHONY: pills
 pills: venv
 	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile tests/adversarial/test_poison_pills_shared.py \
