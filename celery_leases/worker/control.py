@@ -46,8 +46,7 @@ def held_leases(worker: Any) -> list[dict]:
     and lost.
     """
     heartbeat = worker.heartbeat
-    with heartbeat.lock:
-        held = list(heartbeat.held.items())
+    held = heartbeat.held.snapshot()
     server_now = worker.clock.estimate_ms()
     mono, wall = time.monotonic(), time.time()
     out = []

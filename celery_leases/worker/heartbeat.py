@@ -63,6 +63,29 @@ class Held:
     live_until: float = 0.0
 
 
+class HeldLeases(dict):
+    """The leases this worker holds (task id -> Held), with the lock that guards them.
+
+    The heartbeat's thread, the event loop and the pool's threads all read and change
+    them: every reader outside heartbeat.py takes a ``snapshot`` (or ``select``), which
+    holds the lock, instead of the lock itself. A plain ``get`` of one entry needs none.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> list[tuple[str, Held]]:
+        """Every (task id, Held), as they are now."""
+        with self.lock:
+            return list(self.items())
+
+    def select(self, keep: Callable[[Held], bool]) -> dict[str, int]:
+        """Task id -> token of the held leases ``keep`` says yes to."""
+        with self.lock:
+            return {task_id: held.token for task_id, held in self.items() if keep(held)}
+
+
 class Heartbeat:
     def __init__(self, store: LeaseStore, owner: str, interval: float,
                  on_lost: Callable[[str, Held, Code], None], sender: Any = None,
@@ -78,8 +101,9 @@ class Heartbeat:
         self.on_lost = on_lost
         #: Asked first when a held lease's record is missing; True if it put the record back.
         self.on_missing = on_missing
-        self.held: dict[str, Held] = {}
-        self.lock = threading.Lock()
+        #: The leases held, and their lock (which also guards the start marks below).
+        self.held = HeldLeases()
+        self.lock = self.held.lock
         self.ticks = self.failures = self.consecutive_failures = 0
         self.last_renewed_at: float | None = None
         self.outage = Outage(logger, "lease heartbeat")

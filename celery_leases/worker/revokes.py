@@ -276,8 +276,7 @@ class Revoker:
     def revoke_stored(self, task_id: str) -> bool:
         """Celery's revoke command is about to store REVOKED for a task not running here
         (prefetched, ETA-held, or not held by this worker); True to let it."""
-        with self.heartbeat.lock:
-            held = self.heartbeat.held.get(task_id)
+        held = self.heartbeat.held.get(task_id)
         request = held.request if held is not None else None
         if held is not None and not held.lost and request is not None \
                 and request not in active_requests:

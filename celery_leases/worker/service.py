@@ -90,8 +90,7 @@ class LeaseWorker:
         """Release what is still held and stop the heartbeat."""
         self.revokes.stop()
         self.receipt.stop()
-        with self.heartbeat.lock:
-            held = [(task_id, h) for task_id, h in self.heartbeat.held.items() if not h.lost]
+        held = [(task_id, h) for task_id, h in self.heartbeat.held.snapshot() if not h.lost]
         # Leases whose task never started are released unstarted whatever the caller
         # says: their next owner must not count a recovery for them.
         groups = {True: {t: h.token for t, h in held if unstarted or not h.started},
@@ -151,9 +150,7 @@ class LeaseWorker:
             handed_to_pool = getattr(request, "_apply_result", None) is not None
             return flushes or not handed_to_pool
 
-        with self.heartbeat.lock:
-            dropped = {task_id: held.token for task_id, held in self.heartbeat.held.items()
-                       if dropped_by_consumer(held.request)}
+        dropped = self.heartbeat.held.select(lambda held: dropped_by_consumer(held.request))
         if not dropped:
             return 0
         released = self.release(dropped, unstarted=True)
