@@ -40,6 +40,12 @@ test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
 # -- poison pills on shared-process pools ------------------------------------------
 # Every seed and pool of the poison-pill scenarios (tests/adversarial/test_poison_pills_*.py:
 # threads and gevent with seeds 1 and 2, eventlet); make test runs threads and gevent with seed 1.
+# Every test make test leaves out as a long form (marker long: the pill scenarios' other
+# seeds and pools, the outbox's two relays over 10,000 rows).
+.PHONY: long
+long: venv
+	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile -m long tests/
+
 .PHONY: pills
 pills: venv
 	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile tests/adversarial/test_poison_pills_shared.py \

@@ -145,6 +145,32 @@ def test_two_relays_share_the_outbox_and_each_task_and_canvas_runs_once(pg_outbo
     assert depth(pg_outbox, outbox_table) == 0
 
 
+@pytest.mark.long
+def test_two_relays_and_10000_rows_each_task_runs_once(pg_outbox, outbox_table, app, start_worker, history):
+    # Given two workers, each relaying the outbox
+    for name in ("a", "b"):
+        start_worker(name, LEASES_TEST_OUTBOX_URL=pg_outbox, LEASES_TEST_OUTBOX_TABLE=outbox_table)
+    # When 10,000 tasks are sent in 20 transactions of 500
+    conn = Database(pg_outbox).connect()
+    ids = []
+    for batch in range(20):
+        ids += [outbox.send(conn, app.tasks[ADD].s(batch, i)).id for i in range(500)]
+        conn.commit()
+    conn.close()
+    # Then every one succeeds (its lease record), each ran once with a lease, and no row was
+    # published twice (no second copy reached a worker)
+    store = celery_leases.store(app)
+
+    def done() -> bool:
+        return all(r.state == "succeeded" for r in store.records(ids))
+    wait_for(done, timeout=240, what="the 10,000 tasks to succeed", interval=1.0)
+    counts = run_counts(history)
+    assert sum(1 for i in ids if counts[i] == 1) == len(ids)
+    stats = store.stats()
+    assert sum(int(stats.get(k, 0)) for k in ("busy_deliveries", "finished_deliveries", "stale_deliveries")) == 0
+    assert depth(pg_outbox, outbox_table) == 0
+
+
 def test_the_broker_down_at_commit_the_rows_wait_and_are_published_when_it_is_back(
         pg_outbox, outbox_env, outbox_table, own_server, redis_server_url, start_worker, history, caplog):
     # Given a broker that is down when the transaction commits (results and leases elsewhere)
