@@ -29,9 +29,12 @@ def scenario(directory, long: bool = False) -> Counts:
         run.server("main")
         leases = run.server("leases", appendonly=True)
         run.wire("main", leases="leases")
-        fast = run.worker("fast", "threads", 2, skew="+1h")
-        slow = run.worker("slow", "threads", 2, skew="-1h")
-        run.worker("correct", "prefork", 2)
+        # acks_late: a worker holds at most its two tasks unacknowledged, so the six 6 s tasks
+        # spread two per worker and all run at once (with early acks a worker that acked its
+        # two could take a third, which then starts only after the others have finished).
+        fast = run.worker("fast", "threads", 2, skew="+1h", ADV_ACKS_LATE="1")
+        slow = run.worker("slow", "threads", 2, skew="-1h", ADV_ACKS_LATE="1")
+        run.worker("correct", "prefork", 2, ADV_ACKS_LATE="1")
         store = run.store()
 
         # 1. Leases: deadlines by the server clock, whatever the worker's clock says.
