@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from celery import Task
@@ -62,6 +63,11 @@ def install(app: Any, *, all_tasks: bool = False, **settings: Any) -> Any:
     if installed:
         return app
     tracking.install(app)
+    if "celery.bin.base" in sys.modules:
+        # Celery's command line, which loads it before -A proj: `celery inspect leases` prints
+        # tables. Other processes never print replies and skip importing it (and pygments).
+        from .cli import inspect_leases
+        inspect_leases.install()
     on_new_store(results.attach)
     app.steps["worker"].update((LeaseStep, HeartbeatStep, RecoveryStep, OutboxStep))
     app.steps["consumer"].add(LeaseConsumerStep)

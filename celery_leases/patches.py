@@ -15,6 +15,8 @@ name                                      installed by                          
 ``kombu.transport.redis.Channel.QoS``     the worker's ``LeaseStep``               lease-held deliveries
                                           (worker/held.py)                         (no kombu ``unacked`` copy)
 ``celery.worker.control.Panel[revoke]``   the worker (worker/revokes.py)           a plain revoke reaches the lease
+``celery.bin.base.CLIContext.pretty``     ``install(app)`` under Celery's command  ``celery inspect leases``
+                                          line (cli/inspect_leases.py)             prints tables
 ========================================  =======================================  ==============================
 
 Changes of one object belong to it and end with it: an app's ``send_task``

@@ -91,6 +91,34 @@ def _ls_row(r: LeaseRecord, now_ms: int) -> tuple:
             _running(r, now_ms), _deadline(r, now_ms), _ago(r.finished_at, now_ms))
 
 
+#: The columns of the leases one worker holds (``celery inspect leases``); ``leases ls --workers``
+#: puts WORKER before them. Every field of the inspect reply (worker/control.py), for people.
+HELD_HEADERS = ("TASK ID", "NAME", "TOKEN", "HELD", "RUNNING", "DEADLINE", "LOST")
+
+
+def held_row(entry: dict, now_ms: int | None) -> tuple:
+    """A row of HELD_HEADERS from one lease of a worker's inspect reply.
+
+    DEADLINE is relative to ``now_ms`` (the store's clock); without it, the
+    reply's ISO time: the worker's deadline is on the store's clock, which this
+    host's clock may not match.
+    """
+    running, held = entry.get("running_for"), entry.get("held_for")
+    return (entry["task_id"], entry.get("name") or "-", entry.get("token"),
+            "-" if held is None else duration(held * 1000),
+            "not started" if running is None else duration(running * 1000),
+            _held_deadline(entry, now_ms), "lost" if entry.get("lost") else "-")
+
+
+def _held_deadline(entry: dict, now_ms: int | None) -> str:
+    deadline = entry.get("deadline_ms")
+    if deadline is None:
+        return "-"
+    if now_ms is None:
+        return entry.get("deadline") or "-"
+    return f"in {duration(deadline - now_ms)}" if deadline > now_ms else f"due {duration(now_ms - deadline)} ago"
+
+
 def _relative(at_ms: int, now_ms: int) -> str:
     return f"in {duration(at_ms - now_ms)}" if at_ms > now_ms else f"{duration(now_ms - at_ms)} ago"
 

@@ -3,10 +3,10 @@
 The same broadcast as ``celery -A proj inspect leases`` (worker/control.py):
 each worker answers from its own memory, so this works while the store is
 down, and shows what every worker believes it holds (a ``LOST`` lease is one
-its heartbeat found taken over or expired). This is the table for people:
-``celery inspect`` prints every reply itself, a dict per lease as for
-``inspect active``, and its ``--json`` is the same data as ``ls --workers
---json``.
+its heartbeat found taken over or expired). Both print the table of
+``format.held_row``; this one puts every worker's leases in one table, filters
+them, and shows deadlines relative to the store's clock. ``--json`` is the
+reply as ``celery inspect leases --json`` prints it.
 """
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ from typing import Any
 import click
 
 from ..exceptions import LeaseError
+from ..worker.control import COMMAND
 from .base import _emit_json, _store
-from .format import duration, table
+from .format import HELD_HEADERS, held_row, table
 
-#: The remote-control command (worker/control.py).
-COMMAND = "leases"
-#: The table's columns: every field of the inspect reply, for people (docs/operations.md).
-HEADERS = ("WORKER", "TASK ID", "NAME", "TOKEN", "HELD", "RUNNING", "DEADLINE", "LOST")
+#: The table's columns: the worker, then every field of the inspect reply (docs/operations.md).
+HEADERS = ("WORKER", *HELD_HEADERS)
 
 
 def ask_workers(app: Any, timeout: float) -> dict[str, list[dict]]:
@@ -47,15 +46,6 @@ def _filter(replies: dict[str, list[dict]], name: str | None, worker: str | None
     return out
 
 
-def _deadline(entry: dict, now_ms: int | None) -> str:
-    deadline = entry.get("deadline_ms")
-    if deadline is None:
-        return "-"
-    if now_ms is None:
-        return entry.get("deadline") or "-"
-    return f"in {duration(deadline - now_ms)}" if deadline > now_ms else f"due {duration(now_ms - deadline)} ago"
-
-
 def ls_workers(ctx: click.Context, name: str | None, worker: str | None, limit: int, timeout: float,
                as_json: bool) -> None:
     """Print the workers' held leases: a table by worker, or Celery's reply shape as JSON."""
@@ -75,14 +65,7 @@ def ls_workers(ctx: click.Context, name: str | None, worker: str | None, limit: 
         click.echo(f"no worker answered within {timeout:g}s"
                    + (" (or none matched --worker)" if worker else ""))
         return
-    rows = []
-    for hostname, leases in replies.items():
-        for entry in leases:
-            running, held = entry.get("running_for"), entry.get("held_for")
-            rows.append((hostname, entry["task_id"], entry.get("name") or "-", entry.get("token"),
-                         "-" if held is None else duration(held * 1000),
-                         "not started" if running is None else duration(running * 1000),
-                         _deadline(entry, now), "lost" if entry.get("lost") else "-"))
+    rows = [(hostname, *held_row(entry, now)) for hostname, leases in replies.items() for entry in leases]
     empty = [hostname for hostname, leases in replies.items() if not leases]
     if rows:
         click.echo(table(HEADERS, rows))

@@ -14,9 +14,10 @@ milliseconds later.
 
 The reply keeps Celery's shape (a list of plain dicts, as ``inspect active``
 answers), so ``celery inspect leases --json`` and
-``app.control.broadcast("leases", reply=True)`` give the data as it is;
-``celery inspect`` prints each dict as it prints any reply, and
-``celery leases ls --workers`` (cli/workers.py) is the same data as a table.
+``app.control.broadcast("leases", reply=True)`` give the data as it is. For
+people, ``celery inspect leases`` prints it as a table per worker
+(cli/inspect_leases.py) and ``celery leases ls --workers`` (cli/workers.py) as
+one table of all workers, both from ``cli.format.held_row``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from celery.worker.control import inspect_command
 
 from ..runtime import get_worker
 
-__all__ = ["held_leases", "leases"]
+__all__ = ["COMMAND", "held_leases", "leases"]
+
+#: The inspect command's name: ``celery inspect leases``, ``broadcast("leases")``.
+COMMAND = "leases"
 
 
 def _iso(ms: int) -> str:
@@ -73,8 +77,8 @@ def held_leases(worker: Any) -> list[dict]:
     return out
 
 
-@inspect_command()
+@inspect_command(name=COMMAND)
 def leases(state: Any, **kwargs: Any) -> list[dict]:
-    """List the celery-leases leases this worker holds (as a table: celery leases ls --workers)."""
+    """List the celery-leases leases this worker holds (a table; --json: the data)."""
     worker = get_worker(state.app)
     return [] if worker is None else held_leases(worker)

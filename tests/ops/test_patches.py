@@ -13,6 +13,7 @@ SCRIPT = r'''
 import json
 import kombu.messaging, kombu.transport.redis as kr
 from celery import Celery, canvas
+from celery.bin import base as cli        # loaded first, as in the `celery` program
 from celery.worker import control
 import celery_leases
 from celery_leases import patches
@@ -21,7 +22,7 @@ from celery_leases.worker import held, revokes
 from celery_leases import one_call
 
 before = {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks, "put": kr.Channel._put,
-          "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"]}
+          "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"], "pretty": cli.CLIContext.pretty}
 app = Celery("p", broker="redis://127.0.0.1:1/0")
 celery_leases.install(app)
 one_call.install()                 # an app's first recorded publish (one Redis)
@@ -29,18 +30,19 @@ held.install()                     # a worker's LeaseStep on a Redis broker
 revokes.install_control_hook()     # a worker
 changed = {k: v is not {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks,
                         "put": kr.Channel._put, "qos": kr.Channel.QoS,
-                        "revoke": control.Panel.data["revoke"]}[k] for k, v in before.items()}
+                        "revoke": control.Panel.data["revoke"],
+                        "pretty": cli.CLIContext.pretty}[k] for k, v in before.items()}
 names = undo_patches()
 after = {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks, "put": kr.Channel._put,
-         "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"]}
+         "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"], "pretty": cli.CLIContext.pretty}
 print(json.dumps({"changed": changed, "names": names,
                   "restored": {k: after[k] is before[k] for k in before}, "left": patches.installed()}))
 '''
 
 
 def test_install_patches_are_named_in_one_place_and_undone():
-    # Given a fresh interpreter where install(app), the one-call publish, the worker's held
-    # deliveries and its revoke hook have changed Celery's and kombu's code
+    # Given a fresh interpreter where install(app) (under Celery's command line), the one-call
+    # publish, the worker's held deliveries and its revoke hook have changed Celery's and kombu's code
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -49,7 +51,20 @@ def test_install_patches_are_named_in_one_place_and_undone():
     assert report["names"] == sorted(["kombu.messaging.dumps", "celery.canvas.group._apply_tasks",
                                       "kombu.transport.redis.Channel._put",
                                       "kombu.transport.redis.Channel.QoS",
-                                      "celery.worker.control.Panel[revoke]"])
+                                      "celery.worker.control.Panel[revoke]",
+                                      "celery.bin.base.CLIContext.pretty"])
     # And undo_patches puts every original back, leaving nothing installed
     assert all(report["restored"].values()), report
     assert report["left"] == []
+
+
+def test_install_outside_the_command_line_leaves_celerys_printing_alone():
+    # Given a fresh interpreter that is not Celery's command line (a web process, say)
+    script = ("import sys; from celery import Celery; import celery_leases\n"
+              "celery_leases.install(Celery('p', broker='redis://127.0.0.1:1/0'))\n"
+              "print('celery.bin.base' in sys.modules, celery_leases.patches.installed())")
+    # When it calls install(app)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    # Then neither Celery's command line is imported nor its printing changed
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "False" and "CLIContext" not in out.stdout, out.stdout
