@@ -23,7 +23,7 @@ from celery_leases.protocol.scripts import SCRIPT_NAMES, Script, source
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
 
 SCRIPT_DIR = Path(scripts_module.__file__).resolve().parent / "scripts"
-LUA_FILES = sorted(p for p in SCRIPT_DIR.glob("*.lua") if p.name != "_prelude.lua")
+LUA_FILES = sorted(p for p in SCRIPT_DIR.glob("*.lua") if p.name != "_helpers.lua")
 #: Upper-case words an Output section may use that are not return codes.
 PROSE_WORDS = {"NOT", "JSON", "TTL", "ID", "KEYS", "ARGV", "TIME"}
 
@@ -47,7 +47,7 @@ PAIRED_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[\d*k", re.M)
 def _prelude_replies() -> dict[str, set[str]]:
     """Prelude function -> the codes it hands back as a reply (``return {CODE, ...}``): a
     script that returns what such a helper returned returns those codes too."""
-    text = (SCRIPT_DIR / "_prelude.lua").read_text("utf-8")
+    text = (SCRIPT_DIR / "_helpers.lua").read_text("utf-8")
     found: dict[str, set[str]] = {}
     for match in re.finditer(r"^local function (\w+)\((.*?)(?=^local |\Z)", text, re.S | re.M):
         codes = set(re.findall(r"return \{(\w+)", match.group(2))) & set(Code.__members__)
@@ -201,7 +201,7 @@ def test_every_script_loads_on_the_real_server(redis_client, name):
     if not (SCRIPT_DIR / f"{name}.lua").exists():
         pytest.skip(f"{name}.lua is named in SCRIPT_NAMES but not written yet")
 
-    # When its full source (prelude + file) is loaded
+    # When its full source (helpers it uses + file) is loaded
     sha = redis_client.script_load(source(name))
 
     # Then the server compiled it, under the SHA the loader calls it by
@@ -281,14 +281,29 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     assert seen == set(SCRIPT_NAMES)
 
 
-def test_every_script_gets_every_code_from_the_python_enum_and_none_of_its_own():
-    # Given the source a script is sent as, Then it opens with every Code member by name
-    constants = dict(re.findall(r"^local ([A-Z_]+) = (\d+)$", source("finish"), re.M))
-    assert constants == {code.name: str(int(code)) for code in Code}
-    # And neither the prelude nor a script file defines a code of its own
-    for path in [SCRIPT_DIR / "_prelude.lua", *LUA_FILES]:
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+def test_every_script_gets_its_codes_from_the_python_enum_and_none_of_its_own(name):
+    # Given the source a script is sent as, Then each code it defines is the Code member's value
+    text = source(name)
+    constants = dict(re.findall(r"^local ([A-Z_]+) = (\d+)$", text, re.M))
+    assert constants and all(constants[n] == str(int(Code[n])) for n in constants), constants
+    # And it defines exactly the codes its code names (a code it used undefined would be nil)
+    code = re.sub(r"^local [A-Z_]+ = \d+$", "", re.sub(r"--\[\[.*?\]\]|--[^\n]*", "", text, flags=re.S),
+                  flags=re.M)
+    used = {n for n in Code.__members__ if re.search(rf"\b{n}\b", code)}
+    assert set(constants) == used, (name, set(constants) ^ used)
+    # And neither the helpers nor a script file defines a code of its own
+    for path in [SCRIPT_DIR / "_helpers.lua", *LUA_FILES]:
         own = re.findall(r"^local ([A-Z_]+) = \d+", path.read_text("utf-8"), re.M)
         assert not set(own) & set(Code.__members__), f"{path.name} defines codes {own}"
+
+
+def test_a_script_carries_only_the_helpers_it_calls():
+    # Given finish, which calls no charge_death, Then its source does not define it
+    assert "local function charge_death" not in source("finish")
+    # And acquire, which does, carries it and the helpers it calls in turn
+    assert "local function charge_death" in source("acquire")
+    assert "local function unstarted_limit" in source("acquire")
 
 
 def test_terminal_states_are_tested_by_the_prelude_helper_only():

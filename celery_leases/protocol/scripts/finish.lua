@@ -61,38 +61,29 @@
 ]]
 local key, deadlines, stats, message, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local retention = tonumber(ARGV[5])
 local not_after = tonumber(ARGV[6]) or 0
 local unwritten, unwritten_results, result_key = KEYS[6], KEYS[7], KEYS[8]
-local kept, kept_due = ARGV[9] or "", tonumber(ARGV[10]) or 0
-
-local function write_result()
-  if result_key then
-    local expires = tonumber(ARGV[8]) or 0
-    if expires > 0 then
-      redis.call('SET', result_key, ARGV[7], 'EX', expires)
-    else
-      redis.call('SET', result_key, ARGV[7])
-    end
-    redis.call('PUBLISH', result_key, ARGV[7])
-  end
-end
+local kept = ARGV[9] or ''
 
 local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
 if bad then return bad end
--- (The sequence is written only by a re-assert, of a record that vanished; the unwritten
--- results only with a kept result or confirmations riding along.)
+-- The deadline index is type-checked by its ZREM, the first write of an accepted finish;
+-- the paths that write before it (a re-assert of a vanished record, unwritten results
+-- riding along) check it first. The sequence is written only by a re-assert; the unwritten
+-- results only with a kept result or confirmations riding along.
 local riding = kept ~= '' or #ARGV >= 11
-bad = check_type(deadlines, 'zset') or (not rec.state and check_type(seq, 'string'))
-    or (riding and (check_type(unwritten, 'zset') or check_type(unwritten_results, 'hash')))
-if bad then return bad end
-drop_unwritten(unwritten, unwritten_results, ARGV, 11)
+if riding or not rec.state then
+  bad = check_type(deadlines, 'zset') or (not rec.state and check_type(seq, 'string'))
+      or (riding and (check_type(unwritten, 'zset') or check_type(unwritten_results, 'hash')))
+  if bad then return bad end
+  drop_unwritten(unwritten, unwritten_results, ARGV, 11)
+end
 local now = now_ms()
 local current = num(rec, key, 'token')
 -- The same finish again (its first reply was lost): already applied, answer as then.
-if is_terminal(rec.state) and current == token and token > 0 and rec.state == outcome
+if current == token and token > 0 and rec.state == outcome and is_terminal(outcome)
     and rec.owner == owner then
-  return {OK, current, rec.state}
+  return {OK, current, outcome}
 end
 if not_after > 0 and now > not_after then
   count(stats, 'late_finishes', 1)
@@ -103,12 +94,25 @@ if outcome ~= 'succeeded' and outcome ~= 'failed' and outcome ~= 'revoked' then
 end
 bad = owner_guard(key, seq, stats, rec, current, task_id, owner, token, now)
 if bad then return bad end
-current = token
-end_lease(key, deadlines, message, task_id, outcome, now, retention)
+-- Accepted: the outcome's writes, the deadline's first (its type check).
+if wrong_type(redis.pcall('ZREM', deadlines, task_id)) then
+  return corrupt(deadlines, 'type', 'is not a sorted set (' .. redis.call('TYPE', deadlines).ok .. ')')
+end
+-- (An empty holder matches no one's token: one write instead of an HDEL.)
+redis.call('HSET', key, 'state', outcome, 'finished_at', now, 'holder', '')
+redis.call('DEL', message)
+redis.call('PEXPIRE', key, ARGV[5])
 count(stats, outcome, 1)
-write_result()
+if result_key then
+  if (tonumber(ARGV[8]) or 0) > 0 then
+    redis.call('SET', result_key, ARGV[7], 'EX', ARGV[8])
+  else
+    redis.call('SET', result_key, ARGV[7])
+  end
+  redis.call('PUBLISH', result_key, ARGV[7])
+end
 if kept ~= '' then
   redis.call('HSET', unwritten_results, task_id, kept)
-  redis.call('ZADD', unwritten, now + kept_due, task_id)
+  redis.call('ZADD', unwritten, now + (tonumber(ARGV[10]) or 0), task_id)
 end
-return {OK, current, outcome}
+return {OK, token, outcome}

@@ -220,9 +220,9 @@ local function reassert_record(key, seq, stats, task_id, owner, token, now)
   return nil
 end
 
--- The owner's guard of finish and hand_over: nil when (owner, token) holds the live lease
--- (a vanished record is re-created for its holder first), else the reply to return.
 local function owner_guard(key, seq, stats, rec, current, task_id, owner, token, now)
+  -- The owner's guard of finish and hand_over: nil when (owner, token) holds the live lease
+  -- (a vanished record is re-created for its holder first), else the reply to return.
   if not rec.state then
     if token <= 0 then return {MISSING, 0, ''} end
     return reassert_record(key, seq, stats, task_id, owner, token, now)
