@@ -3,7 +3,7 @@
 Usage, from the repository root::
 
     .venv/bin/python bench/overhead.py [--quick] [--rounds R] [-n N] [--pools P,..] [--layout apart|shared|amqp]
-                                       [--json PATH] [--strict]
+                                       [--results stored,ignored] [--json PATH] [--strict]
 
 Starts two throwaway ``redis-server`` processes on free loopback ports (no
 persistence): one for the broker and the result backend (or ``$REDIS_URL``
@@ -22,8 +22,8 @@ has its own ratio targets (``RATIO_TARGETS``). Prints one Markdown table and wri
 
 Three kinds of the same no-op task (``bench/overhead_app.py``), each round in
 a new order, on one worker per pool (``-P prefork -c 2``, ``-P threads -c 8``,
-``-P solo``; Celery's defaults otherwise: prefetch multiplier 4, results
-stored, early acks, log level WARNING):
+``-P solo -c 1``; Celery's defaults otherwise: prefetch multiplier 4, early
+acks, log level WARNING), with its result stored or ignored (``--results``):
 
 - ``plain``: ``bench.noop``, a plain Celery task;
 - ``leased``: ``bench.leased_noop`` published with the package's defaults,
@@ -31,24 +31,37 @@ stored, early acks, log level WARNING):
   records each task in the lease store before it publishes it;
 - ``leased, untracked``: the same, published with tracking off.
 
+Results (``--results``, default ``ignored``; ``stored,ignored`` measures both,
+each round both in turn, and takes about twice as long):
+
+- ``stored``: Celery's default, the result in the Redis result backend; a
+  task is done at its result's ``date_done`` (with ``--layout shared`` the
+  leased kinds' finish script writes it);
+- ``ignored``: the same tasks with ``ignore_result=True`` (``bench.noop_ignored``,
+  ``bench.leased_noop_ignored``): nothing is written for the result, so each
+  task counts itself done with one ``INCR`` on the results' Redis (plain and
+  leased alike; the benchmark sets the count to -N before a batch) and the
+  task that brings it to 0 notes the time: the last task's time done.
+
 Two cases, each round, each kind, N tasks:
 
 - **Publisher-bound.** The sender publishes N tasks one by one while the
-  worker runs, then waits for each result; the rate is N over the time from
-  the first send to the last ``date_done`` (when the last task was done in
-  the worker). One sender process and the worker share the CPUs.
+  worker runs, then waits for each result (or the count); the rate is N over
+  the time from the first send to the last task's time done in the worker.
+  One sender process and the worker share the CPUs.
 - **Backlog drain.** The worker is stopped (SIGSTOP, main process and pool),
   N tasks are queued, and it is released (SIGCONT); the rate is N over the
-  time from the release to the last ``date_done``. Nothing else runs: the
+  time from the release to the last task's time done. Nothing else runs: the
   worker and the two servers alone.
 
-Reported for each pool and case: the median rate of each kind over the
-rounds, and the median and range of the per-round ratios leased / plain (the
+Reported for each pool, results variant and case: the median rate of each
+kind over the rounds, and the median and range of the per-round ratios leased / plain (the
 kinds of one round ran within seconds of each other, so their ratio is what
 a shared machine cannot move much). For the backlog drain: CPU per task
-(user + system, ``/proc``) of the worker's main process, its pool processes,
-the broker's redis-server and the lease store's, and the lease store's round
-trips per task (``INFO commandstats`` on its own server: ``EVALSHA`` +
+(user + system, ``/proc``) of the worker's main process, its pool processes
+(prefork's children; ``solo`` and ``threads`` have none, their tasks run in
+the main process), the broker's redis-server and the lease store's, and the
+lease store's round trips per task (``INFO commandstats`` on its own server: ``EVALSHA`` +
 ``EVAL`` calls, and every other command a client sent; the commands a script
 runs inside Redis left out), those of the publisher (sent while the worker was
 stopped) and the worker's.
@@ -90,13 +103,14 @@ from bench._common import (  # noqa: E402
     Cleanup, bench_worker, command_stats, delete_keys, delete_pattern, git_state, markdown_table, redis_url, report,
     stats_delta, terminate, wait_until,
 )
-from bench.overhead_app import create_app  # noqa: E402
+from bench.overhead_app import create_app, done_keys  # noqa: E402
 from celery_leases import LeaseStore  # noqa: E402
 from celery_leases.testing import RedisServer, Worker  # noqa: E402
 
 #: Sizes of a full run and of a ``--quick`` smoke run.
-FULL = {"n": 2_000, "rounds": 5, "warmup": 200, "ticks": 3, "pools": "prefork,threads,solo"}
-QUICK = {"n": 100, "rounds": 1, "warmup": 20, "ticks": 1, "pools": "prefork"}
+FULL = {"n": 2_000, "rounds": 5, "warmup": 200, "ticks": 3, "pools": "prefork,threads,solo",
+        "results": "ignored"}
+QUICK = {"n": 100, "rounds": 1, "warmup": 20, "ticks": 1, "pools": "prefork", "results": "ignored"}
 
 #: The lowest leased/plain ratio (median, the default kind: tracked) each layout must reach,
 #: per case: with the store on the broker's server, leases replace kombu's unacked copy and the
@@ -113,8 +127,9 @@ HEARTBEAT_SIZES = (1, 10, 100)
 
 #: Worker pools: name -> concurrency.
 POOLS = {"prefork": 2, "threads": 8, "solo": 1}
-#: The pools the ratio targets are for.
-TARGET_POOLS = ("prefork", "threads")
+#: The pools the ratio targets are for: all three (solo has the same targets: it pays the same
+#: lease calls per task and is spared the same kombu bookkeeping, in its one process).
+TARGET_POOLS = ("prefork", "threads", "solo")
 HB_POOL, HB_CONCURRENCY = "threads", 100
 HB_TTL, HB_INTERVAL = 3.0, 1.0
 #: Long enough that no heartbeat tick falls into a round.
@@ -125,6 +140,14 @@ KINDS = {"plain": ("bench.noop", True), "leased": ("bench.leased_noop", True),
          "leased, untracked": ("bench.leased_noop", False)}
 LEASED_KINDS = ("leased", "leased, untracked")
 CASES = ("publisher-bound", "backlog drain")
+#: Results of the tasks: stored in the result backend (Celery's default), or ignored
+#: (``ignore_result=True``: the task names with ``_ignored``).
+RESULTS = ("stored", "ignored")
+
+
+def task_name(kind: str, results: str) -> str:
+    name = KINDS[kind][0]
+    return f"{name}_ignored" if results == "ignored" else name
 
 
 # -- helpers -----------------------------------------------------------------
@@ -267,15 +290,28 @@ class Bench:
     """One worker of one pool, the sending apps, and the two servers' clients."""
 
     def __init__(self, apps: dict[str, celery.Celery], client: redis.Redis, lease_client: redis.Redis,
-                 worker: Worker, meter: CpuMeter, n: int) -> None:
+                 worker: Worker, meter: CpuMeter, n: int, prefix: str) -> None:
         self.apps, self.client, self.lease_client = apps, client, lease_client
-        self.worker, self.meter, self.n = worker, meter, n
+        self.worker, self.meter, self.n, self.prefix = worker, meter, n, prefix
         self.timeout = max(60.0, n / 20)
 
-    def _send(self, kind: str, n: int) -> list:
-        name, tracked = KINDS[kind]
-        task = self.apps["tracked" if tracked else "untracked"].tasks[name]
+    def _send(self, kind: str, n: int, results: str) -> list:
+        tracked = KINDS[kind][1]
+        task = self.apps["tracked" if tracked else "untracked"].tasks[task_name(kind, results)]
+        if results == "ignored":  # each task counts itself done (bench/overhead_app.py)
+            to_do, last = done_keys(self.prefix)
+            self.client.delete(last)
+            self.client.set(to_do, -n)
         return [task.apply_async() for _ in range(n)]
+
+    def _ignored_done(self, what: str) -> float:
+        """Wait until each task of the batch counted itself done; the time the last one was."""
+        to_do, last = done_keys(self.prefix)
+        # The task that brings the count to 0 notes the time just after (its second command).
+        done = wait_until(lambda: self.client.get(last), self.timeout, what)
+        if int(self.client.get(to_do) or 0) != 0:
+            raise RuntimeError(f"{what}: {self.client.get(to_do)!r} tasks counted past the batch")
+        return float(done)
 
     def _results_done(self, ids: list[str]) -> None:
         backend = self.apps["tracked"].backend
@@ -287,52 +323,68 @@ class Bench:
         backend = self.apps["tracked"].backend
         delete_keys(self.client, [backend.get_key_for_task(i) for i in ids])
 
-    def warm_up(self, n: int) -> None:
-        for kind in KINDS:  # pool processes, connections, scripts loaded
-            results = self._send(kind, n)
-            wait_all(results, self.timeout)
-            self._forget([r.id for r in results])
+    def warm_up(self, n: int, variants: list[str]) -> None:
+        for results in variants:
+            for kind in KINDS:  # pool processes, connections, scripts loaded
+                sent = self._send(kind, n, results)
+                if results == "ignored":
+                    self._ignored_done(f"the warm-up's {n} {kind} tasks")
+                else:
+                    wait_all(sent, self.timeout)
+                    self._forget([r.id for r in sent])
 
-    def publisher_bound(self, kind: str) -> dict:
-        """Send n tasks one by one while the worker runs, then wait for all n results."""
+    def publisher_bound(self, kind: str, results: str) -> dict:
+        """Send n tasks one by one while the worker runs, then wait for all n done."""
         time.sleep(0.3)  # the previous batch's batched start marks must not count here
         stats, cpu = command_stats(self.lease_client), self.meter.read()
         sent_at = time.time()
-        results = self._send(kind, self.n)
-        wait_all(results, self.timeout)
-        cpu = CpuMeter.delta(cpu, self.meter.read())
-        lease = stats_delta(stats, command_stats(self.lease_client))
-        ids = [r.id for r in results]
-        done = last_done(self.apps["tracked"], self.client, ids) - sent_at
-        self._forget(ids)
+        sent = self._send(kind, self.n, results)
+        if results == "ignored":
+            done = self._ignored_done(f"{self.n} {kind} tasks (results ignored)") - sent_at
+            cpu = CpuMeter.delta(cpu, self.meter.read())
+            lease = stats_delta(stats, command_stats(self.lease_client))
+        else:
+            wait_all(sent, self.timeout)
+            cpu = CpuMeter.delta(cpu, self.meter.read())
+            lease = stats_delta(stats, command_stats(self.lease_client))
+            ids = [r.id for r in sent]
+            done = last_done(self.apps["tracked"], self.client, ids) - sent_at
+            self._forget(ids)
         return {"per_s": self.n / done, "seconds": done, "lease_calls": round_trips(lease) / self.n,
                 "cpu_us": {g: sec / self.n * 1e6 for g, sec in cpu.items()}}
 
-    def backlog(self, kind: str) -> dict:
+    def backlog(self, kind: str, results: str) -> dict:
         """n tasks queued while the worker is stopped, then drained by the worker alone."""
         time.sleep(0.3)
         self.worker.signal(signal.SIGSTOP)
         try:
             stats0 = command_stats(self.lease_client)
-            results = self._send(kind, self.n)
+            sent = self._send(kind, self.n, results)
             time.sleep(0.2)
             stats1, cpu = command_stats(self.lease_client), self.meter.read()
             released = time.time()
         finally:
             self.worker.signal(signal.SIGCONT)
-        ids = [r.id for r in results]
-        last = self.apps["tracked"].backend.get_key_for_task(ids[-1])
-        wait_until(lambda: self.client.exists(last), self.timeout, f"the backlog of {self.n} {kind} tasks")
-        self._results_done(ids)  # tasks end out of order: wait for every result key
-        cpu = CpuMeter.delta(cpu, self.meter.read())
+        what = f"the backlog of {self.n} {kind} tasks (results {results})"
+        if results == "ignored":
+            last_at = self._ignored_done(what)
+            cpu = CpuMeter.delta(cpu, self.meter.read())
+        else:
+            ids = [r.id for r in sent]
+            last = self.apps["tracked"].backend.get_key_for_task(ids[-1])
+            wait_until(lambda: self.client.exists(last), self.timeout, what)
+            self._results_done(ids)  # tasks end out of order: wait for every result key
+            cpu = CpuMeter.delta(cpu, self.meter.read())
         time.sleep(0.1)  # batched start marks of the last tasks (25 ms)
         stats2 = command_stats(self.lease_client)
         window = time.time() - released
-        done = last_done(self.apps["tracked"], self.client, ids) - released
-        wait_all(results, self.timeout)  # reads the result messages, outside the measurement
-        self._forget(ids)
+        if results == "stored":
+            last_at = last_done(self.apps["tracked"], self.client, ids)
+            wait_all(sent, self.timeout)  # reads the result messages, outside the measurement
+            self._forget(ids)
+        done = last_at - released
         machine = cpu.pop(MACHINE, 0.0)
-        cpu.pop("sender", None)  # it only polls for the last result meanwhile
+        cpu.pop("sender", None)  # it only polls for the last result (or the count) meanwhile
         publish, drain = stats_delta(stats0, stats1), stats_delta(stats1, stats2)
         return {"per_s": self.n / done, "seconds": done,
                 "publish_lease_calls": round_trips(publish) / self.n,
@@ -348,19 +400,27 @@ class Bench:
                 "other_cpu_us": max(0.0, machine - sum(cpu.values())) / self.n * 1e6}
 
 
-def bench_pool(bench: Bench, pool: str, rounds: int) -> dict:
-    """Interleaved rounds: each kind, both cases; the order of the kinds rotates each round."""
-    out: dict[str, Any] = {case: {kind: [] for kind in KINDS} for case in CASES}
+def bench_pool(bench: Bench, pool: str, rounds: int, variants: list[str]) -> dict:
+    """Interleaved rounds: each results variant, each kind, both cases; the order of the kinds
+    rotates each round. Returns a summary per results variant."""
+    out: dict[str, Any] = {v: {case: {kind: [] for kind in KINDS} for case in CASES} for v in variants}
     kinds = list(KINDS)
     for r in range(rounds):
         order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
-        for kind in order:
-            out["publisher-bound"][kind].append(bench.publisher_bound(kind))
-        for kind in order:
-            out["backlog drain"][kind].append(bench.backlog(kind))
-        line = "; ".join(
-            f"{case}: " + ", ".join(f"{out[case][k][-1]['per_s']:,.0f}" for k in kinds) for case in CASES)
-        print(f"  {pool} round {r + 1}/{rounds} (tasks/s, {' / '.join(kinds)}): {line}", flush=True)
+        for v in variants:
+            for kind in order:
+                out[v]["publisher-bound"][kind].append(bench.publisher_bound(kind, v))
+            for kind in order:
+                out[v]["backlog drain"][kind].append(bench.backlog(kind, v))
+            line = "; ".join(f"{case}: " + ", ".join(f"{out[v][case][k][-1]['per_s']:,.0f}" for k in kinds)
+                             for case in CASES)
+            print(f"  {pool} results {v}, round {r + 1}/{rounds} (tasks/s, {' / '.join(kinds)}): {line}",
+                  flush=True)
+    return {v: summarize(out[v]) for v in variants}
+
+
+def summarize(out: dict) -> dict:
+    """Medians over the rounds of each kind and case, and the per-round ratios leased / plain."""
     summary: dict[str, Any] = {}
     for case in CASES:
         rows = out[case]
@@ -435,7 +495,8 @@ def ratio_bound(case: str) -> float:
 
 
 def ratio_target(case: str) -> str:
-    return f"{case}: leased/plain >= {ratio_bound(case):.2f} ({', '.join(TARGET_POOLS)})"
+    pools, results = ", ".join(TARGET_POOLS), " and ".join(RESULTS)
+    return f"{case}: leased/plain >= {ratio_bound(case):.2f} ({pools}; results {results})"
 
 
 TRIPS_TARGET = f"<= {LEASE_TRIPS_TARGET:g} lease-store round trips per task in the worker"
@@ -447,25 +508,30 @@ HB_TARGET = "1 renew call per heartbeat tick (1, 10, 100 leases)"
 def evaluate(results: dict) -> dict[str, dict]:
     targets: dict[str, dict] = {}
     pools = results["pools"]
+    # Each cell: a pool and a results variant.
+    cells = [(f"{pool} {v}", p[v]) for pool, p in pools.items() for v in RESULTS if v in p]
     for case in CASES:
         measured, ok = [], True
         for pool in TARGET_POOLS:
             if pool not in pools:
                 continue
-            for kind in LEASED_KINDS:
-                r = pools[pool][case][f"ratio {kind}"]["median"]
-                measured.append(f"{pool} {kind} {r:.2f}")
-                if kind == "leased":  # the default (tracked); the untracked kind is reported
-                    ok = ok and r >= ratio_bound(case)
+            for v in RESULTS:
+                if v not in pools[pool]:
+                    continue
+                for kind in LEASED_KINDS:
+                    r = pools[pool][v][case][f"ratio {kind}"]["median"]
+                    measured.append(f"{pool} {v} {kind} {r:.2f}")
+                    if kind == "leased":  # the default (tracked); the untracked kind is reported
+                        ok = ok and r >= ratio_bound(case)
         if measured:
             targets[ratio_target(case)] = {"measured": "; ".join(measured), "result": "PASS" if ok else "MISS"}
     # The worker's calls and the publisher's, tracking on (the default), each against its own
     # bound (the table shows their sum too); a difference within 0.05 is polling noise.
     for target, field, bound in ((TRIPS_TARGET, "worker_lease_calls", LEASE_TRIPS_TARGET),
                                  (PUBLISH_TRIPS_TARGET, "publish_lease_calls", PUBLISH_TRIPS)):
-        trips = {pool: p["backlog drain"]["leased"][field] for pool, p in pools.items()}
+        trips = {cell: c["backlog drain"]["leased"][field] for cell, c in cells}
         targets[target] = {
-            "measured": "; ".join(f"{pool} {v:.2f}" for pool, v in trips.items()),
+            "measured": "; ".join(f"{cell} {v:.2f}" for cell, v in trips.items()),
             "result": "PASS" if all(v <= bound + 0.05 for v in trips.values()) else "MISS"}
     hb = results["heartbeat"]
     if hb:
@@ -482,12 +548,13 @@ def table(results: dict, targets: dict[str, dict]) -> str:
     rows: list[tuple[str, ...]] = []
     rounds = results["meta"]["rounds"]
     n = results["meta"]["n"]
-    for pool, p in results["pools"].items():
+    cells = [(pool, v, p[v]) for pool, p in results["pools"].items() for v in RESULTS if v in p]
+    for pool, v, p in cells:
         conc = POOLS[pool]
         for case in CASES:
             s = p[case]
             t = ratio_target(case)
-            rows.append((f"{pool} -c {conc}, {case}: tasks/s (median of {rounds} x {n:,})",
+            rows.append((f"{pool} -c {conc}, results {v}, {case}: tasks/s (median of {rounds} x {n:,})",
                          f"{s['plain']['per_s']:,.0f}", f"{s['leased']['per_s']:,.0f}",
                          f"{s['leased, untracked']['per_s']:,.0f}",
                          f"{fmt_ratio(s['ratio leased'])} / {fmt_ratio(s['ratio leased, untracked'])}",
@@ -530,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", help="comma-separated pools (default prefork,threads,solo; --quick prefork)")
     parser.add_argument("--layout", choices=("apart", "shared", "amqp"), default="apart",
                         help="apart: the lease store on a redis-server of its own; shared: on the broker's")
+    parser.add_argument("--results", help="comma-separated: stored (in the result backend), ignored "
+                        "(ignore_result=True); default ignored (both take twice as long)")
     parser.add_argument("--no-heartbeat", action="store_true", help="skip the heartbeat measurement")
     parser.add_argument("--loglevel", default="WARNING", help="worker log level (default: %(default)s)")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results-overhead.json"),
@@ -537,13 +606,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     sizes = dict(QUICK if args.quick else FULL)
-    for key in ("n", "rounds", "pools"):
+    for key in ("n", "rounds", "pools", "results"):
         if getattr(args, key):
             sizes[key] = getattr(args, key)
-    pools = [p.strip() for p in sizes["pools"].split(",") if p.strip()]
+    pools = list(dict.fromkeys(p.strip() for p in sizes["pools"].split(",") if p.strip()))
     unknown = [p for p in pools if p not in POOLS]
     if unknown:
         parser.error(f"unknown pool(s) {', '.join(unknown)}; known: {', '.join(POOLS)}")
+    variants = list(dict.fromkeys(v.strip() for v in sizes["results"].split(",") if v.strip()))
+    unknown = [v for v in variants if v not in RESULTS]
+    if unknown or not variants:
+        parser.error(f"unknown results variant(s) {', '.join(unknown)}; known: {', '.join(RESULTS)}")
 
     signal.signal(signal.SIGTERM, terminate)
     cleanup = Cleanup()
@@ -587,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
             "meta": {
                 "date": started.isoformat(timespec="seconds"),
                 "quick": args.quick, "n": sizes["n"], "rounds": sizes["rounds"],
-                "pools": {p: POOLS[p] for p in pools}, "heartbeat_pool": f"{HB_POOL} -c {HB_CONCURRENCY}",
+                "pools": {p: POOLS[p] for p in pools}, "results": variants,
+                "heartbeat_pool": f"{HB_POOL} -c {HB_CONCURRENCY}",
                 "loglevel": args.loglevel, "layout": results_layout,
                 "redis_version": info["redis_version"], "throwaway_server": server is not None,
                 "load_average_before": os.getloadavg()[0], **git_state(),
@@ -618,12 +692,12 @@ def main(argv: list[str] | None = None) -> int:
             worker = bench_worker(f"overhead-{pool}", "bench.overhead_app", env, pool=pool,
                                   concurrency=POOLS[pool], log_dir=log_dir, loglevel=args.loglevel)
             cleanup.push(worker.kill)
-            print(f"{pool} -c {POOLS[pool]}: {sizes['rounds']} round(s) of {sizes['n']:,} tasks, each kind "
-                  f"and case", flush=True)
+            print(f"{pool} -c {POOLS[pool]}: {sizes['rounds']} round(s) of {sizes['n']:,} tasks, each kind, "
+                  f"case and results variant ({', '.join(variants)})", flush=True)
             worker.start(timeout=60)
-            bench = Bench(apps, client, lease_client, worker, CpuMeter(worker.pid, servers), sizes["n"])
-            bench.warm_up(sizes["warmup"])
-            results["pools"][pool] = bench_pool(bench, pool, sizes["rounds"])
+            bench = Bench(apps, client, lease_client, worker, CpuMeter(worker.pid, servers), sizes["n"], prefix)
+            bench.warm_up(sizes["warmup"], variants)
+            results["pools"][pool] = bench_pool(bench, pool, sizes["rounds"], variants)
             worker.stop()
 
         results["heartbeat"] = []

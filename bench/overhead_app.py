@@ -1,10 +1,13 @@
-"""The Celery app of ``bench/overhead.py``: one no-op task plain, one leased, same app.
+"""The Celery app of ``bench/overhead.py``: one no-op task plain, one leased, same app;
+each also with its result ignored.
 
 Workers import it as ``bench.overhead_app`` (``PYTHONPATH`` = the repository
 root); the benchmark builds its client side with ``create_app(env)`` from the
 same variables:
 
 LEASES_BENCH_BROKER: Redis URL of the broker and the result backend;
+LEASES_BENCH_BACKEND: Redis URL of the result backend when the broker is RabbitMQ (the
+ignored-result tasks count themselves done there);
 LEASES_BENCH_LEASES: Redis URL of the lease store (default: the broker's);
 LEASES_BENCH_PREFIX: lease key prefix, also the queue name;
 LEASES_BENCH_TTL / LEASES_BENCH_HEARTBEAT_INTERVAL: lease ttl and heartbeat, seconds;
@@ -15,7 +18,8 @@ process run under cProfile (CPU time of the thread) and write ``main-PID.prof`` 
 when they exit (``python -m pstats FILE``).
 
 Everything else is Celery's default (prefetch multiplier 4, results stored,
-acks early), except ``leases_worker_recovery=False`` (no recovery loop runs in
+acks early; ``bench.noop_ignored`` and ``bench.leased_noop_ignored`` have
+``ignore_result=True``), except ``leases_worker_recovery=False`` (no recovery loop runs in
 the worker, so the only lease calls are the ones measured) and
 ``worker_enable_remote_control=False`` (see below).
 """
@@ -25,6 +29,7 @@ import os
 import time
 from typing import Mapping
 
+import redis
 from celery import Celery
 
 from bench._common import bench_app, client_for
@@ -48,6 +53,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     )
     prefix, broker = app.conf["leases_key_prefix"], app.conf.broker_url
     stop_key = f"{{{prefix}}}:bench-stop"
+    backend = get("LEASES_BENCH_BACKEND") or broker  # always a Redis (the broker may be RabbitMQ)
 
     @app.task(name="bench.noop", shared=False)
     def noop():
@@ -56,6 +62,17 @@ def create_app(env: Mapping[str, str]) -> Celery:
     @app.task(name="bench.leased_noop", base=LeasedTask, shared=False)
     def leased_noop():
         return None
+
+    # With its result ignored, nothing tells the benchmark a task is done but the task itself:
+    # each counts itself done (one INCR, plain and leased alike), and the one that brings the
+    # count to 0 notes the time (the benchmark sets the count to -n before a batch).
+    @app.task(name="bench.noop_ignored", shared=False, ignore_result=True)
+    def noop_ignored():
+        count_done(client_for(backend), prefix)
+
+    @app.task(name="bench.leased_noop_ignored", base=LeasedTask, shared=False, ignore_result=True)
+    def leased_noop_ignored():
+        count_done(client_for(backend), prefix)
 
     @app.task(name="bench.leased_hold", base=LeasedTask, shared=False)
     def leased_hold(max_seconds=60.0):
@@ -66,6 +83,19 @@ def create_app(env: Mapping[str, str]) -> Celery:
             time.sleep(0.2)
 
     return app
+
+
+def done_keys(prefix: str) -> tuple[str, str]:
+    """The count of a batch's tasks still to be done (results ignored), and the time the
+    last one was done."""
+    return f"{{{prefix}}}:bench-to-do", f"{{{prefix}}}:bench-last-done"
+
+
+def count_done(client: redis.Redis, prefix: str) -> None:
+    """One task of a batch done: the last one (the count reaches 0) notes the time."""
+    to_do, last_done = done_keys(prefix)
+    if client.incr(to_do) == 0:
+        client.set(last_done, repr(time.time()))
 
 
 def _profile(directory: str) -> None:
