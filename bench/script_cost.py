@@ -1,0 +1,211 @@
+"""The lease store's server cost per task, counted in instructions (valgrind), beside kombu's.
+
+Usage, from the repository root::
+
+    .venv/bin/python bench/script_cost.py [-n 300] [--batch 4] [--json PATH]
+
+Wall-clock server time (``INFO commandstats``) moves by half on a shared
+two-core machine; instructions do not. This starts a throwaway ``redis-server``
+under ``valgrind --tool=callgrind`` (instrumentation off), and counts the
+instructions the server executes for each phase of ``n`` tracked tasks, by
+switching instrumentation on around the phase only (``callgrind_control``):
+
+- ``enqueue``: the publish record (enqueue.lua), as tracking sends it;
+- ``acquire``: the worker's acquires, ``--batch`` per ``acquire_many`` call,
+  with the previous batch's start marks riding along (as the acquirer sends them);
+- ``finish``: each task's finish, with the result record written in the same
+  call (one Redis), and ``finish, no result``: without it (the lease store apart);
+- the baselines, measured in the same run: kombu's Redis ack emulation for one
+  message (``QoS.append``'s pipeline of ZADD + HSET at delivery, ``QoS.ack``'s
+  ZREM + HDEL), which lease-held deliveries replace; Celery's own result write
+  (SET with expiry + PUBLISH); a ``PING``; and floors of the Lua runtime (an
+  EVALSHA of ``return 1``, and one of a single ``redis.call``).
+
+The table gives instructions per task and each phase's ratio against kombu's
+ack bookkeeping. Instructions are not microseconds: the same run's ``PING``
+and ``return 1`` calibrate them (see docs/benchmarks.md, "Lease store cost").
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from celery_leases import LeaseStore  # noqa: E402
+from celery_leases.protocol.queued import QueuedTask, QueuedTasks  # noqa: E402
+from bench._common import git_state, markdown_table  # noqa: E402
+
+BODY = b"x" * 300
+ENVELOPE = {"routing_key": "celery", "exchange": "", "headers": {"task": "bench.noop"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Counted:
+    """A redis-server under callgrind, its instruction counter read around each phase."""
+
+    def __init__(self, out_dir: str) -> None:
+        for tool in ("valgrind", "callgrind_control", "redis-server"):
+            if shutil.which(tool) is None:
+                raise SystemExit(f"script_cost: {tool} is not installed (apt-get install valgrind redis-server)")
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+             f"--callgrind-out-file={out_dir}/callgrind.%p.out",
+             "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise SystemExit("script_cost: redis-server under valgrind did not start") from None
+                time.sleep(0.2)
+
+    def _control(self, *args: str) -> str:
+        return subprocess.run(["callgrind_control", *args, str(self.proc.pid)], capture_output=True,
+                              text=True, check=True).stdout
+
+    def count(self, run: Callable[[], Any]) -> int:
+        """Instructions the server executed while ``run`` ran."""
+        self._control("-i", "on")
+        run()
+        text = self._control("-e", "Ir")
+        self._control("-i", "off")
+        self._control("-z")
+        return int(text.strip().splitlines()[-1].split()[-1].replace(",", ""))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def measure(n: int, batch: int, out_dir: str) -> dict[str, float]:
+    server = Counted(out_dir)
+    try:
+        c = server.client
+        store = LeaseStore(c, prefix="cost")
+        queued = QueuedTasks(store, 60)
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        bare = [uuid.uuid4().hex for _ in range(n)]
+        warm = store.acquire("warm", "w1", body=BODY, envelope=ENVELOPE)   # scripts loaded outside
+        store.finish("warm", "w1", warm.token, "succeeded", write=("cost:r:warm", "{}", 60))
+        queued.enqueue(QueuedTask("warm2", "bench.noop", BODY, ENVELOPE))
+        tokens: dict[str, int] = {}
+        per: dict[str, float] = {}
+
+        def enqueue() -> None:
+            for i in ids + bare:
+                queued.enqueue(QueuedTask(i, "bench.noop", BODY, ENVELOPE, publish="p" + i))
+
+        def acquire(which: list[str]) -> Callable[[], None]:
+            def run() -> None:
+                for k in range(0, len(which), batch):
+                    calls = [dict(task_id=i, owner="w1", name="bench.noop", body=BODY, envelope=ENVELOPE,
+                                  publish="p" + i, recorded=True) for i in which[k:k + batch]]
+                    starts = {i: tokens[i] for i in which[max(0, k - batch):k]} if k else None
+                    results, _ = store.acquire_many(calls, owner="w1", starts=starts)
+                    for i, acq in zip(which[k:k + batch], results):
+                        tokens[i] = acq.token
+            return run
+
+        def finish(which: list[str], write: bool) -> Callable[[], None]:
+            def run() -> None:
+                for i in which:
+                    result = json.dumps({"status": "SUCCESS", "result": None, "task_id": i})
+                    store.finish(i, "w1", tokens[i], "succeeded",
+                                 write=(f"celery-task-meta-{i}", result, 86400) if write else None)
+            return run
+
+        def kombu_acks() -> None:
+            # kombu.transport.redis.QoS.append and .ack, as Celery runs them per message.
+            for i in ids:
+                payload = json.dumps([{"body": "x" * 300, "headers": {"id": i}}, "", "celery"])
+                with c.pipeline() as pipe:
+                    pipe.zadd("unacked_index", {i: time.time()}).hset("unacked", i, payload).execute()
+                with c.pipeline() as pipe:
+                    pipe.zrem("unacked_index", i).hdel("unacked", i).execute()
+
+        def result_writes() -> None:
+            for i in ids:
+                result = json.dumps({"status": "SUCCESS", "result": None, "task_id": i})
+                c.set(f"plain-meta-{i}", result, ex=86400)
+                c.publish(f"plain-meta-{i}", result)
+
+        def pings() -> None:
+            for _ in ids:
+                c.ping()
+
+        one_call = c.script_load("return redis.call('EXISTS', KEYS[1])")
+        empty = c.script_load("return 1")
+
+        def lua_floor(sha: str) -> Callable[[], None]:
+            def run() -> None:
+                for i in ids:
+                    c.evalsha(sha, 1, i)
+            return run
+
+        phases: list[tuple[str, Callable[[], None]]] = [
+            ("enqueue", enqueue), ("acquire", acquire(ids)), ("finish", finish(ids, True)),
+            ("finish, no result", finish(bare, False)),
+            ("kombu ack bookkeeping", kombu_acks), ("Celery result write", result_writes),
+            ("PING", pings), ("EVALSHA return 1", lua_floor(empty)),
+            ("EVALSHA, one redis.call", lua_floor(one_call)),
+        ]
+        server.count(c.ping)  # (callgrind's first switch-on can come late: not a phase's)
+        for name, run in phases:
+            if name == "finish, no result":
+                acquire(bare)()  # (not counted: the same acquires as above)
+            per[name] = server.count(run) / n
+        per["enqueue"] /= 2  # it recorded both sets of ids
+        return per
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", type=int, default=300, help="tasks per phase (default 300)")
+    parser.add_argument("--batch", type=int, default=4, help="acquires per acquire_many call (default 4)")
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results-script-cost.json"))
+    args = parser.parse_args(argv)
+    out_dir = os.environ.get("TMPDIR", "/tmp")
+    per = measure(args.n, args.batch, out_dir)
+    base = per["kombu ack bookkeeping"]
+    lease = per["acquire"] + per["finish, no result"]
+    rows = [[name, f"{ir:,.0f}", f"{ir / base:.2f}"] for name, ir in per.items()]
+    rows.append(["lease per task (acquire + finish, no result)", f"{lease:,.0f}", f"{lease / base:.2f}"])
+    table = markdown_table(["phase (per task)", "instructions", "/ kombu acks"], rows)
+    print(table)
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": platform.platform(), "n": args.n, "batch": args.batch,
+               "instructions_per_task": per, **git_state()}
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
