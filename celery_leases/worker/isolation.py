@@ -2,7 +2,7 @@
 
 On threads, gevent and eventlet, a task that kills its process takes every task
 running beside it down too, so the store cannot tell from such a death which
-task caused it (``charge_death`` in the scripts' prelude): each of them is
+task caused it (``charge_death`` in the scripts' shared helpers): each of them is
 charged an *uncertain* recovery, not a recovery, and its next runs are
 isolated. An isolated run waits until nothing else runs in the worker, then
 runs with nothing beside it: if it dies, the death is its own and counts; if

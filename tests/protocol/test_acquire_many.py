@@ -122,7 +122,7 @@ def test_start_marks_with_a_corrupt_stats_key_mark_and_acquire_all_the_same(stor
     # When its start mark rides along with the next acquire, and then goes alone
     results, marked = store.acquire_many([call("n")], owner="w", starts={"m": acq.token})
     alone = store.mark_started("w", {"m": acq.token})
-    # Then the mark and the acquire are made; counters are best effort (prelude's count())
+    # Then the mark and the acquire are made; counters are best effort (the helper count())
     assert results[0].code is Code.ACQUIRED and marked == 1 and alone == 1
     assert redis_client.hget(store.keys.record("m"), "started") == b"1"
 

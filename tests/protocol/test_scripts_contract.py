@@ -35,7 +35,7 @@ CODE_PLACES = [
     re.compile(r"table\.insert\(\s*\w+\s*,\s*\{\s*[\w.]+\s*,\s*(\w+)\s*,"),  # {task_id, DEAD, ...}
     re.compile(r"\bcode\s*=\s*(\w+)"),                                   # code = TAKEN_OVER
 ]
-#: Prelude helpers whose reply is CORRUPT when what they check is corrupt: a body
+#: Shared helpers whose reply is CORRUPT when what they check is corrupt: a body
 #: that returns one of their answers returns CORRUPT.
 CORRUPT_HELPERS = re.compile(r"\b(check_type|corrupt|load)\(|\bCORRUPT\b")
 FIXED_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\]\s", re.M)
@@ -44,8 +44,8 @@ RANGE_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)\.\.", re.M)
 PAIRED_INDEX = re.compile(r"^\s*(KEYS|ARGV)\[\d*k", re.M)
 
 
-def _prelude_replies() -> dict[str, set[str]]:
-    """Prelude function -> the codes it hands back as a reply (``return {CODE, ...}``): a
+def _helper_replies() -> dict[str, set[str]]:
+    """Helper function -> the codes it hands back as a reply (``return {CODE, ...}``): a
     script that returns what such a helper returned returns those codes too."""
     text = (SCRIPT_DIR / "_helpers.lua").read_text("utf-8")
     found: dict[str, set[str]] = {}
@@ -56,8 +56,8 @@ def _prelude_replies() -> dict[str, set[str]]:
     return found
 
 
-#: Prelude helpers that answer with a reply of their own, and its codes (e.g. owner_guard).
-PRELUDE_REPLIES = _prelude_replies()
+#: Shared helpers that answer with a reply of their own, and its codes (e.g. owner_guard).
+HELPER_REPLIES = _helper_replies()
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Contract:
             code_part = line.split("--", 1)[0]
             if CORRUPT_HELPERS.search(code_part):
                 found.append(("CORRUPT", line.strip()))
-            for helper, codes in PRELUDE_REPLIES.items():
+            for helper, codes in HELPER_REPLIES.items():
                 if re.search(rf"\b{helper}\(", code_part):
                     found += [(code, line.strip()) for code in sorted(codes)]
         return found
@@ -306,7 +306,7 @@ def test_a_script_carries_only_the_helpers_it_calls():
     assert "local function unstarted_limit" in source("acquire")
 
 
-def test_terminal_states_are_tested_by_the_prelude_helper_only():
+def test_terminal_states_are_tested_by_the_shared_helper_only():
     # A line comparing a state with three or four terminal states one by one is the
     # test is_terminal() holds (succeeded-or-failed alone, a finished run, is not).
     for path in LUA_FILES:

@@ -1,9 +1,10 @@
 --[[
-  Shared prelude, prepended by celery_leases/protocol/scripts.py to every script.
-  Not a script of its own: it defines helpers only. Before it, scripts.py puts the
-  return codes of celery_leases/protocol/codes.py as named constants (local OK = 10,
-  local LOST = 7, ...: the Code enum is their only definition), KNOWN_STATES and
-  TERMINAL_STATES, the sets of every state and of the terminal ones.
+  Shared helpers: not a script of its own. celery_leases/protocol/scripts.py puts into
+  each script's source only the helpers it calls (and those they call, which are always
+  defined earlier in this file), and before them only the constants its code names: the
+  return codes of celery_leases/protocol/codes.py (local OK = 10, local LOST = 7, ...: the
+  Code enum is their only definition), KNOWN_STATES and TERMINAL_STATES, the sets of every
+  state and of the terminal ones. Each helper is one top-level `local function ... end`.
 
   now_ms()                   server clock in milliseconds (TIME), never a worker's
   or_corrupt(key, reply)     a pcall reply, or raise CORRUPT naming the key (a key of the wrong type)

@@ -6,8 +6,8 @@
   generation (older copies of the message become stale) and gives the
   recoverer a grace period to publish; if it never confirms (mark_published),
   the next pass claims the lease again without counting another recovery.
-  What the dead owner's lease costs its task is charge_death's rule (the
-  prelude): a recovery when the death is the task's own, an uncertain one
+  What the dead owner's lease costs its task is charge_death's rule
+  (_helpers.lua): a recovery when the death is the task's own, an uncertain one
   (bounded by unstarted_limit) when it may not be, and from the second of those
   the task's next runs are isolated (field isolate, answered by acquire); nothing
   for a lease released unstarted. Past either bound the task becomes dead instead.

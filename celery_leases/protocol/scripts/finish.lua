@@ -22,7 +22,7 @@
   outcome never ends without its result.
 
   A holder of token T finding no record (the store restarted empty, a failover
-  lost the write) re-asserts it (reassert_record in the prelude), then writes
+  lost the write) re-asserts it (reassert_record in _helpers.lua), then writes
   the outcome (docs/redis-deployments.md).
 
   Input:

@@ -11,7 +11,7 @@
   the broker loses, or one stuck behind a backlog, is re-published by
   claim_undelivered.lua with its backoff. Idempotent for its owner and refused as LATE
   after ARGV[6], as finish.lua is. A holder of token T finding no record
-  re-asserts it first (reassert_record in the prelude). The record keeps the token it
+  re-asserts it first (reassert_record in _helpers.lua). The record keeps the token it
   was handed over under (handed_over), so a renewal of that token racing the worker's
   forget is told FINISHED, not LOST (renew_many.lua): the owner gave it up.
 
