@@ -6,9 +6,9 @@ Usage, from the repository root::
 
 Wall-clock server time (``INFO commandstats``) moves by half on a shared
 two-core machine; instructions do not. This starts a throwaway ``redis-server``
-under ``valgrind --tool=callgrind`` (instrumentation off), and counts the
-instructions the server executes for each phase of ``n`` tracked tasks, by
-switching instrumentation on around the phase only (``callgrind_control``):
+under ``valgrind --tool=callgrind``, and counts the instructions the server
+executes for each phase of ``n`` tracked tasks (callgrind dumps its counts
+before and after each phase, ``callgrind_control --dump``):
 
 - ``enqueue``: the publish record (enqueue.lua), as tracking sends it;
 - ``acquire``: the worker's acquires, ``--batch`` per ``acquire_many`` call,
@@ -67,9 +67,9 @@ class Counted:
         for tool in ("valgrind", "callgrind_control", "redis-server"):
             if shutil.which(tool) is None:
                 raise SystemExit(f"script_cost: {tool} is not installed (apt-get install valgrind redis-server)")
-        self.port = _free_port()
+        self.port, self.out_dir, self.dumps = _free_port(), out_dir, 0
         self.proc = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+            ["valgrind", "--tool=callgrind",
              f"--callgrind-out-file={out_dir}/callgrind.%p.out",
              "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no"],
@@ -89,14 +89,30 @@ class Counted:
         return subprocess.run(["callgrind_control", *args, str(self.proc.pid)], capture_output=True,
                               text=True, check=True).stdout
 
+    def dump(self) -> int:
+        """Instructions executed since the previous dump: callgrind writes them to a new file,
+        whose ``summary:`` line is read once the file is complete. (The server is idle while it
+        dumps, so each dump ends exactly where a phase's last reply left; switching
+        instrumentation on and off instead takes effect late and can cut a phase short.)"""
+        self.dumps += 1
+        path = Path(f"{self.out_dir}/callgrind.{self.proc.pid}.out.{self.dumps}")
+        self._control(f"--dump=phase{self.dumps}")
+        deadline = time.monotonic() + 60
+        while True:
+            text = path.read_text() if path.exists() else ""
+            for line in text.splitlines():
+                if line.startswith("summary:") or line.startswith("totals:"):
+                    path.unlink()
+                    return int(line.split()[1])
+            if time.monotonic() > deadline:
+                raise SystemExit(f"script_cost: callgrind wrote no {path}")
+            time.sleep(0.05)
+
     def count(self, run: Callable[[], Any]) -> int:
         """Instructions the server executed while ``run`` ran."""
-        self._control("-i", "on")
+        self.dump()
         run()
-        text = self._control("-e", "Ir")
-        self._control("-i", "off")
-        self._control("-z")
-        return int(text.strip().splitlines()[-1].split()[-1].replace(",", ""))
+        return self.dump()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -175,7 +191,6 @@ def measure(n: int, batch: int, out_dir: str) -> dict[str, float]:
             ("PING", pings), ("EVALSHA return 1", lua_floor(empty)),
             ("EVALSHA, one redis.call", lua_floor(one_call)),
         ]
-        server.count(c.ping)  # (callgrind's first switch-on can come late: not a phase's)
         for name, run in phases:
             if name == "finish, no result":
                 acquire(bare)()  # (not counted: the same acquires as above)

@@ -44,10 +44,14 @@ end
 
 local replies = {}
 for i = 1, n do
-  local keys, args = {}, {}
-  for k = 1, NKEYS do keys[k] = KEYS[NKEYS * (i - 1) + k] end
-  local base = 3 + m + NARGS * (i - 1)
-  for k = 1, NARGS do args[k] = ARGV[base + k] end
+  -- (Built by constructors, which size a table once, not by appending, which grows it
+  -- step by step: a call of many acquires builds many of these.)
+  local b = NKEYS * (i - 1)
+  local keys = {KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5], KEYS[b + 6]}
+  b = 3 + m + NARGS * (i - 1)
+  local args = {ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6],
+                ARGV[b + 7], ARGV[b + 8], ARGV[b + 9], ARGV[b + 10], ARGV[b + 11], ARGV[b + 12],
+                ARGV[b + 13], ARGV[b + 14], ARGV[b + 15]}
   local ok, reply = pcall(acquire, keys, args)
   if not ok then
     -- redis.call raises the server's error as {err = ...}; anything else is a script error.
