@@ -46,7 +46,8 @@
                              write the active lease ``lease`` (a table: task_id, owner, token,
                              now, ttl, generation, recoveries, attempt, progress_timeout, name,
                              max_recoveries, started, unstarted_recoveries, hn, body, envelope,
-                             pub, persist, persist_message; ``extra``: more field/value pairs),
+                             pub, persist, persist_message, ran: a run before this one may have
+                             left fields to overwrite; ``extra``: more field/value pairs),
                              store the message (with the publish id it belongs to) when a body
                              is given, index the deadline; the record loses any expiry unless
                              ``persist`` is false (a record that never had one), a kept stored
@@ -246,11 +247,21 @@ local function activate(key, deadlines, stats, message, l, extra)
   local fields = {
     'task_id', l.task_id, 'state', 'active', 'token', tok, 'owner', l.owner,
     'holder', tok .. '@' .. l.owner, 'ttl', l.ttl, 'generation', l.generation,
-    'recoveries', l.recoveries, 'attempt', l.attempt,
-    'progress_timeout', l.progress_timeout, 'progress_deadline', progress_deadline,
-    'acquired_at', l.now, 'name', l.name, 'unstarted', '0', 'max_recoveries', l.max_recoveries,
-    'started', l.started, 'unstarted_recoveries', l.unstarted_recoveries,
+    'recoveries', l.recoveries, 'attempt', l.attempt, 'acquired_at', l.now, 'name', l.name,
+    'max_recoveries', l.max_recoveries, 'started', l.started,
     history_fields(key, l.hn, tok .. '@' .. l.owner .. '@' .. string.format('%d', l.now))}
+  -- Fields whose absence reads as 0 (and as not released) are written only when they are not
+  -- 0 or an earlier run (l.ran) may have left them: each field costs the write its time.
+  if l.ran or l.progress_timeout > 0 then
+    for _, v in ipairs({'progress_timeout', l.progress_timeout, 'progress_deadline', progress_deadline}) do
+      fields[#fields + 1] = v
+    end
+  end
+  if l.ran or l.unstarted_recoveries > 0 then
+    for _, v in ipairs({'unstarted', '0', 'unstarted_recoveries', l.unstarted_recoveries}) do
+      fields[#fields + 1] = v
+    end
+  end
   for _, v in ipairs(extra or {}) do fields[#fields + 1] = v end
   redis.call('HSET', key, unpack(fields))
   if l.body ~= '' then

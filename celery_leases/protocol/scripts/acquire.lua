@@ -75,13 +75,20 @@ end
 
 -- Everything this script depends on is read and validated before anything is written.
 local PUBLISHES = 16 -- earlier publish ids remembered, one small field each (p:0..p:15, ring by pn)
-local read = {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'unstarted', 'holder',
-              'revoke_requested', 'started', 'unstarted_recoveries', 'pub', 'pn', 'shared', 'alone',
-              'isolate'}
-local rec, bad = load(key, read,
-                      {'token', 'generation', 'recoveries', 'attempt', 'hn', 'revoke_requested',
-                       'unstarted_recoveries', 'pn'}, {'token'})
+-- A record queued at publish (enqueue.lua) or absent holds no field of an earlier run: the
+-- fields only such a run leaves (the start marks, the blame, revoke requests, the remembered
+-- publishes) are read only for a record in another state, in a second read.
+local rec, bad = load(key, {'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'pub'},
+                      {'token', 'generation', 'recoveries', 'attempt', 'hn'}, {'token'})
 if bad then return bad end
+local ran = rec.state and rec.state ~= 'queued'
+if ran then
+  local more
+  more, bad = load(key, {'unstarted', 'revoke_requested', 'started', 'unstarted_recoveries', 'pn',
+                         'shared', 'alone', 'isolate'}, {'revoke_requested', 'unstarted_recoveries', 'pn'})
+  if bad then return bad end
+  for field, value in pairs(more) do rec[field] = value end
+end
 local pub = ARGV[13] or ''
 local omitted = ARGV[14] == '1'
 local shared = ARGV[15] == '1'
@@ -235,7 +242,9 @@ activate(key, deadlines, stats, message, {
   body = ARGV[9], envelope = ARGV[10], pub = pub,
   -- Only a recovering or finished record has an expiry to drop (mark_published, end_lease).
   persist = state ~= nil and state ~= false and state ~= 'queued',
-  persist_message = omitted and state ~= 'queued'}, extra)
+  persist_message = omitted and state ~= 'queued',
+  -- Fields of an earlier run to overwrite, only if there was one.
+  ran = ran}, extra)
 if code == TAKEN_OVER then count(stats, 'taken_over', 1) end
 if queued then redis.call('ZREM', KEYS[6], task_id) end
 return {code, new_token, generation, recoveries, 'active', isolate and 1 or 0}

@@ -78,5 +78,5 @@ activate(key, deadlines, stats, message, {
   task_id = task_id, owner = owner, token = token, now = now, ttl = ttl,
   generation = msg_gen, recoveries = 0, attempt = msg_attempt,
   progress_timeout = progress_timeout, name = ARGV[8], max_recoveries = max_recoveries,
-  started = '1', unstarted_recoveries = 0, hn = 0, body = ARGV[9], envelope = ARGV[10]})
+  started = '1', unstarted_recoveries = 0, hn = 0, body = ARGV[9], envelope = ARGV[10], ran = true})
 return {ACQUIRED, token, msg_gen, 0, 'active'}
