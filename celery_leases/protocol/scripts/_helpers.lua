@@ -84,7 +84,7 @@ end
 
 local function num(rec, key, field)
   local v = rec[field]
-  if v == false or v == nil then return 0 end
+  if v == false or v == nil or v == '0' then return 0 end -- (a string compare, not a parse)
   local n = tonumber(v)
   if n == nil then
     error({err = 'CORRUPT ' .. key .. ' field ' .. field .. ' is not a number: ' .. tostring(v)})
@@ -120,6 +120,7 @@ local function check_type(key, want)
 end
 
 local function whole(v)
+  if v == '0' then return 0 end -- the most common value, without a parse
   local n = tonumber(v)
   if n == nil or n ~= math.floor(n) or n ~= n or n == math.huge or n == -math.huge then return nil end
   return n
@@ -131,14 +132,16 @@ local function load(key, fields, numeric, required)
     return nil, corrupt(key, 'type', 'is not a hash (' .. redis.call('TYPE', key).ok .. ')')
   end
   local rec = {}
-  for i, name in ipairs(fields) do rec[name] = values[i] end
+  for i = 1, #fields do rec[fields[i]] = values[i] end
   local state = rec.state
   if state then
     if not KNOWN_STATES[state] then
       return nil, corrupt(key, 'state', 'is ' .. string.format('%q', state) .. ', not a known state')
     end
-    for _, name in ipairs(required or {}) do
-      if not rec[name] then return nil, corrupt(key, name, 'is missing') end
+    if required then
+      for i = 1, #required do
+        if not rec[required[i]] then return nil, corrupt(key, required[i], 'is missing') end
+      end
     end
   elseif rec.state == false then
     -- Without a state, a hash holding any of the other fields read is a broken record
@@ -147,10 +150,12 @@ local function load(key, fields, numeric, required)
       if values[i] then return nil, corrupt(key, 'state', 'is missing') end
     end
   end
-  for _, name in ipairs(numeric or {}) do
-    local v = rec[name]
-    if v and not whole(v) then
-      return nil, corrupt(key, name, 'is not a number: ' .. string.format('%q', v))
+  if numeric then
+    for i = 1, #numeric do
+      local v = rec[numeric[i]]
+      if v and not whole(v) then
+        return nil, corrupt(key, numeric[i], 'is not a number: ' .. string.format('%q', v))
+      end
     end
   end
   return rec
@@ -252,17 +257,20 @@ local function activate(key, deadlines, stats, message, l, extra)
     history_fields(key, l.hn, tok .. '@' .. l.owner .. '@' .. string.format('%d', l.now))}
   -- Fields whose absence reads as 0 (and as not released) are written only when they are not
   -- 0 or an earlier run (l.ran) may have left them: each field costs the write its time.
+  local n = #fields
   if l.ran or l.progress_timeout > 0 then
-    for _, v in ipairs({'progress_timeout', l.progress_timeout, 'progress_deadline', progress_deadline}) do
-      fields[#fields + 1] = v
-    end
+    fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] =
+      'progress_timeout', l.progress_timeout, 'progress_deadline', progress_deadline
+    n = n + 4
   end
   if l.ran or l.unstarted_recoveries > 0 then
-    for _, v in ipairs({'unstarted', '0', 'unstarted_recoveries', l.unstarted_recoveries}) do
-      fields[#fields + 1] = v
-    end
+    fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] =
+      'unstarted', '0', 'unstarted_recoveries', l.unstarted_recoveries
+    n = n + 4
   end
-  for _, v in ipairs(extra or {}) do fields[#fields + 1] = v end
+  if extra then
+    for i = 1, #extra do fields[n + i] = extra[i] end
+  end
   redis.call('HSET', key, unpack(fields))
   if l.body ~= '' then
     redis.call('HSET', message, 'body', l.body, 'envelope', l.envelope, 'pub', l.pub or '')

@@ -65,9 +65,9 @@
 local key, deadlines, seq, stats, message = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner = ARGV[1], ARGV[2]
 local ttl = tonumber(ARGV[3])
-local msg_gen, msg_attempt = tonumber(ARGV[4]), tonumber(ARGV[5])
+local msg_gen, msg_attempt = whole(ARGV[4]), whole(ARGV[5])
 local max_recoveries = tonumber(ARGV[6])
-local progress_timeout = tonumber(ARGV[7])
+local progress_timeout = whole(ARGV[7])
 if not (ttl and msg_gen and msg_attempt and max_recoveries and progress_timeout) then
   return redis.error_reply('ERR acquire: ttl, generation, attempt, max recoveries and progress '
                            .. 'timeout must be numbers (task ' .. task_id .. ')')
@@ -224,14 +224,15 @@ if msg_gen > generation then generation = msg_gen end
 -- The publish this delivery belongs to; the one before it joins the remembered ones.
 local extra = {'pub', pub}
 if shared then
-  for _, v in ipairs({'shared', '1', 'alone', '0'}) do extra[#extra + 1] = v end
+  extra[3], extra[4], extra[5], extra[6] = 'shared', '1', 'alone', '0'
 elseif rec.shared == '1' then
-  extra[#extra + 1] = 'shared'; extra[#extra + 1] = '0'
+  extra[3], extra[4] = 'shared', '0'
 end
 if isolate and rec.isolate ~= '1' then extra[#extra + 1] = 'isolate'; extra[#extra + 1] = '1' end
 if rec.pub and rec.pub ~= '' and rec.pub ~= pub then
   local pn = num(rec, key, 'pn')
-  for _, v in ipairs({'p:' .. (pn % PUBLISHES), rec.pub, 'pn', pn + 1}) do extra[#extra + 1] = v end
+  local n = #extra
+  extra[n + 1], extra[n + 2], extra[n + 3], extra[n + 4] = 'p:' .. (pn % PUBLISHES), rec.pub, 'pn', pn + 1
 end
 -- Not started until the worker says so (mark_started.lua): a prefetched task waits here.
 activate(key, deadlines, stats, message, {
