@@ -4,7 +4,8 @@ Shared Lua lives in ``_helpers.lua`` as named functions; a script's source
 carries only the helpers it calls (and the helpers those call), and only the
 constants (return codes, state sets) its code names, so each call defines no
 more than it uses. A script that runs another one's body (``EMBEDDED``) gets
-it as a local function of (KEYS, ARGV) named after it, so a rule has one copy.
+it as a local function named after it, reading its keys and arguments at
+offsets of the caller's, so a rule has one copy.
 A server that lost its script cache (restart, SCRIPT FLUSH, failover) answers
 NOSCRIPT; the call is then repeated once with the full source, which also
 reloads the cache (calls.py, the one place that does it).
@@ -32,7 +33,8 @@ SCRIPT_NAMES = (
     "claim_unwritten", "results_written",
 )
 
-#: Script -> the script whose body it calls as a function: ``local function acquire(KEYS, ARGV)``.
+#: Script -> the script whose body it calls as a function: ``local function acquire(kb, ab)``,
+#: its KEYS and ARGV read at those offsets (``_embedded``).
 EMBEDDED = {"acquire_many": "acquire"}
 
 
@@ -69,12 +71,22 @@ def _code_of(text: str) -> str:
     return re.sub(r"--[^\n]*", "", text)
 
 
+def _embedded(name: str) -> str:
+    """Script ``name``'s body as ``local function name(kb, ab)``, reading its KEYS[i] and
+    ARGV[i] at offsets kb and ab of the calling script's: a call of many runs it on slices of
+    its own keys and arguments without copying them into tables first."""
+    text = _read(name)
+    header, code = text.split("]]", 1) if text.startswith("--[[") else ("", text)
+    code = re.sub(r"\b(KEYS|ARGV)\[(\d+)\]",
+                  lambda m: f"{m.group(1)}[{'kb' if m.group(1) == 'KEYS' else 'ab'} + {m.group(2)}]", code)
+    return f"local function {name}(kb, ab)\n{code}\nend"
+
+
 def source(name: str) -> str:
     """The full source sent to Redis: the constants and helpers the script uses (and those its
     helpers use), then the script file (after the script it embeds, if any)."""
     embedded = EMBEDDED.get(name)
-    body = _read(name) if embedded is None else \
-        f"local function {embedded}(KEYS, ARGV)\n{_read(embedded)}\nend\n{_read(name)}"
+    body = _read(name) if embedded is None else f"{_embedded(embedded)}\n{_read(name)}"
     library = helpers()
     needed: list[str] = []
     pending = [_code_of(body)]

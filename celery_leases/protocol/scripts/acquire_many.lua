@@ -7,9 +7,11 @@
   delay (heartbeat.py): the server then parses one command and sets up the
   script once, and the marks need no call of their own. Each acquire is
   acquire.lua, unchanged: scripts.py embeds it here as the function
-  acquire(KEYS, ARGV), run in a protected call, so that an error of one
+  acquire(kb, ab), run in a protected call, so that an error of one
   acquire (a server error raised half-way) is that acquire's reply alone and
-  the others still run. The marks are mark_started.lua's (mark_starts).
+  the others still run; it reads its keys and arguments where they are in this
+  call's (scripts.py rewrites its KEYS[i] and ARGV[i] to offsets), so nothing
+  is copied per acquire. The marks are mark_started.lua's (mark_starts).
   Every key must live on the one server the call goes to: not for a cluster.
 
   Input:
@@ -37,27 +39,18 @@ end
 -- The marks first: they are older than any acquire of this call.
 local marked = 0
 if m > 0 then
-  local marks = {}
-  for k = 1, m do marks[k] = KEYS[NKEYS * n + 1 + k] end
-  marked = mark_starts(KEYS[NKEYS * n + 1], marks, 1, ARGV[3], ARGV, 4)
+  -- (The marked records are the last m keys: mark_starts walks them in place.)
+  marked = mark_starts(KEYS[NKEYS * n + 1], KEYS, NKEYS * n + 2, ARGV[3], ARGV, 4)
 end
 
 local replies = {}
 for i = 1, n do
-  -- (Built by constructors, which size a table once, not by appending, which grows it
-  -- step by step: a call of many acquires builds many of these.)
-  local b = NKEYS * (i - 1)
-  local keys = {KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5], KEYS[b + 6]}
-  b = 3 + m + NARGS * (i - 1)
-  local args = {ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5], ARGV[b + 6],
-                ARGV[b + 7], ARGV[b + 8], ARGV[b + 9], ARGV[b + 10], ARGV[b + 11], ARGV[b + 12],
-                ARGV[b + 13], ARGV[b + 14], ARGV[b + 15]}
-  local ok, reply = pcall(acquire, keys, args)
+  local ok, reply = pcall(acquire, NKEYS * (i - 1), 3 + m + NARGS * (i - 1))
   if not ok then
     -- redis.call raises the server's error as {err = ...}; anything else is a script error.
     if type(reply) ~= 'table' or not reply.err then
-      reply = {err = 'ERR acquire_many: acquire of task ' .. tostring(args[1]) .. ' failed: '
-                     .. tostring(reply)}
+      reply = {err = 'ERR acquire_many: acquire of task ' .. tostring(ARGV[3 + m + NARGS * (i - 1) + 1])
+                     .. ' failed: ' .. tostring(reply)}
     end
   end
   replies[i] = reply
