@@ -14,7 +14,7 @@ from .config import LeaseConfig, client_config
 from .protocol.connection import connect, redact, url_error
 from .exceptions import ConfigurationError
 from .protocol.store import LeaseStore
-from .recovery import Recoverer
+from .recovery.recoverer import Recoverer
 
 _stores: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseStore]]" = weakref.WeakKeyDictionary()
 #: The worker's LeaseWorker (worker/service.py), typed Any: this module sits below the worker wiring.

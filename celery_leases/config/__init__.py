@@ -54,7 +54,7 @@ class LeaseConfig:
     worker_recovery: bool = defaults.WORKER_RECOVERY
     #: Redis broker, tracking on: deliveries of recorded tasks held by their lease, not kombu's hash.
     held_deliveries: bool = defaults.HELD_DELIVERIES
-    #: None: add the beat entry only when worker_recovery is off (install.beat_entry_wanted).
+    #: None: add the beat entry only when worker_recovery is off (recovery/beat.py, beat_entry_wanted).
     beat_schedule: bool | None = defaults.BEAT_SCHEDULE
     #: The worker's HTTP endpoint (worker/health.py): its port (None: off) and bind address.
     http_port: int | None = defaults.HTTP_PORT

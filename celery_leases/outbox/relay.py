@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..runtime import get_store
 from ..signals import outbox_status
-from ..worker.outage import Outage
+from ..outage import Outage
 from .claims import Batch, claim, publish_batch
 from .database import Database, Executor
 from .sql import INIT_COMMAND, missing_table

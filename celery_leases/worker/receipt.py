@@ -33,10 +33,10 @@ from ..protocol.codes import Code
 from ..protocol.keys import usable_id
 from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
-from ..messages import envelope_of, publish_raw
-from ..parking import park_delivery
-from ..publish import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
-from ..recovery import Recoverer
+from ..recovery.messages import envelope_of, publish_raw
+from ..recovery.parking import park_delivery
+from ..publishing.publish_id import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
+from ..recovery.recoverer import Recoverer
 from ..signals import delivery_refused, lease_acquired
 from ..protocol.records import Acquisition
 from ..protocol.store import LeaseStore

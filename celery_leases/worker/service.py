@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from celery.concurrency.base import BasePool
 from celery.worker.state import active_requests
 
-from ..checks import run_checks
+from .checks import run_checks
 from ..protocol.clock import server_clock
 from ..config import LeaseConfig
 from ..exceptions import LeaseError

@@ -34,7 +34,7 @@ from ..exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from ..runtime import get_store, get_worker, set_worker
 from . import held
 from ..outbox.relay import Relay
-from .fallback import FallbackRecovery
+from ..recovery.fallback import FallbackRecovery
 from .health import Health
 from .isolation import Isolation, shares_process
 from .loop import LoopWatch

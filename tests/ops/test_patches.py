@@ -18,7 +18,7 @@ import celery_leases
 from celery_leases import patches
 from celery_leases.testing import undo_patches
 from celery_leases.worker import held, revokes
-from celery_leases import one_call
+from celery_leases.publishing import one_call
 
 before = {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks, "put": kr.Channel._put,
           "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"]}
