@@ -37,7 +37,7 @@ def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
 
 
 #: Called with (app, store) for each store get_store builds: the layers above add their
-#: steps to its recovery passes this way (publish tracking, tracking.py), unseen from here.
+#: steps to its recovery passes this way (publish tracking, publishing/tracking.py), unseen from here.
 _store_hooks: list[Callable[[Any, LeaseStore], None]] = []
 
 

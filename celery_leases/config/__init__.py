@@ -46,7 +46,7 @@ class LeaseConfig:
     shards: int = defaults.SHARDS
     on_lost: str = defaults.ON_LOST
     dead_letter_queue: str | None = defaults.DEAD_LETTER_QUEUE
-    #: Publish tracking (tracking.py): seconds a published task may wait undelivered; None: off.
+    #: Publish tracking (publishing/tracking.py): seconds a published task may wait undelivered; None: off.
     delivery_timeout: float | None = defaults.DELIVERY_TIMEOUT
     unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
     unavailable_retry_max_delay: float = defaults.UNAVAILABLE_RETRY_MAX_DELAY

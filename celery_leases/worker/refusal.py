@@ -32,7 +32,7 @@ class Refusal:
 
     def park(self, request: Any, exc: BaseException, due: bool) -> None:
         """A permanent error: the delivery is never run and never re-queued; it is parked
-        (parking.py: kept for the operator, waiters released) and acknowledged."""
+        (recovery/parking.py: kept for the operator, waiters released) and acknowledged."""
         reason = str(exc) or repr(exc)
         request.request_dict["lease_skip"] = f"delivery parked: {reason}"
         # An id that cannot be a key (None, a float, a lone surrogate) is parked under its repr.
