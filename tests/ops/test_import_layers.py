@@ -256,3 +256,16 @@ def test_the_checks_see_a_circle_and_a_protocol_import_up(tmp_path):
     known = {"p.q.x", "p.y", "p.q.w"}
     assert [t for t, _ in imports("p.q", init, known)] == ["p.q.x", "p.y", "p.q.w"]
     assert [t for t, _ in imports("p.q.m", mod, known)] == ["p.q.x", "p.y", "p.q.w"]
+
+
+def test_the_chaos_suite_imports_nothing_of_the_tests():
+    # chaos/ runs on its own (make chaos): it may use the package, never tests/.
+    chaos = ROOT.parent / "chaos"
+    wrong = []
+    for path in sorted(chaos.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            wrong += [f"{path.name} imports {name} (line {node.lineno})"
+                      for name in names if name.partition(".")[0] == "tests"]
+    assert not wrong, "chaos/ must not depend on tests/:\n" + "\n".join(wrong)
