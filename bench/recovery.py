@@ -80,7 +80,7 @@ from bench._common import (  # noqa: E402
 )
 from bench.recovery_app import HOLD, NOOP, create_app, starts_key  # noqa: E402
 from celery_leases.config import get_config  # noqa: E402
-from celery_leases.messages import envelope_of  # noqa: E402
+from celery_leases.recovery.messages import envelope_of  # noqa: E402
 from celery_leases.testing import Worker  # noqa: E402
 
 #: Sizes of a full run and of a ``--quick`` smoke run.

@@ -84,7 +84,7 @@ import kombu  # noqa: E402
 
 from celery_leases import LeaseStore, defaults  # noqa: E402
 from celery_leases.protocol.records import Claim  # noqa: E402
-from celery_leases.messages import envelope_of  # noqa: E402
+from celery_leases.recovery.messages import envelope_of  # noqa: E402
 from bench._common import (  # noqa: E402
     Cleanup, delete_keys, delete_pattern, git_state, markdown_table, redis_url, report, terminate,
 )

@@ -13,6 +13,8 @@ the task class, the signals or anything else that needs Celery.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,40 @@ _WHERE = {
 
 #: Documented modules reachable as attributes of the package without their own import.
 _SUBPACKAGES = frozenset({"config", "protocol", "testing"})
+
+#: Modules that moved into the layer packages (docs/architecture.md, "Old module paths"),
+#: old name -> where they live now. ``import celery_leases.metrics`` still works and gives
+#: the very module ``celery_leases.ops.metrics`` (one module object: its state is shared).
+MOVED = {f"{__name__}.{old}": f"{__name__}.{new}" for old, new in {
+    "request": "task.request", "lease": "task.lease", "results": "task.results",
+    "callbacks": "task.callbacks",
+    "tracking": "publishing.tracking", "publish": "publishing.publish_id",
+    "one_call": "publishing.one_call",
+    "parking": "recovery.parking", "messages": "recovery.messages",
+    "worker.fallback": "recovery.fallback", "worker.outage": "outage",
+    "checks": "worker.checks", "doctor": "ops.diagnosis", "metrics": "ops.metrics",
+    "tracing": "ops.tracing",
+}.items()}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old module path of ``MOVED`` (only when no file of that name exists: it is
+    consulted after the regular finders) and loads it as the module at its new path."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass  # loaded already, under its new name
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
 
 __all__ = [
     "install", "store", "LeasedTask", "Code", "LeaseStore", "LeaseRecord", "Acquisition",

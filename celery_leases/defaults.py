@@ -43,7 +43,7 @@ WORKER_RECOVERY = True
 #: only when WORKER_RECOVERY is off, so that one recoverer, not two, runs each interval.
 BEAT_SCHEDULE = None
 #: Tries to publish each link callback / next chain step of an accepted success
-#: (celery_leases/callbacks.py), each after Celery's own publish retries.
+#: (celery_leases/task/callbacks.py), each after Celery's own publish retries.
 CALLBACK_SEND_ATTEMPTS = 8
 #: Seconds before the second try; doubled after each failed try, up to CALLBACK_SEND_MAX_DELAY.
 CALLBACK_SEND_DELAY = 0.5

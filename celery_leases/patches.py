@@ -8,19 +8,20 @@ puts everything back. They are:
 ========================================  =======================================  ==============================
 name                                      installed by                             why
 ========================================  =======================================  ==============================
-``kombu.messaging.dumps``                 ``install(app)`` (tracking.py)           the body serialized once
-``celery.canvas.group._apply_tasks``      ``install(app)`` (tracking.py)           a group's records in one batch
+``kombu.messaging.dumps``                 ``install(app)`` (publishing/serialize)  the body serialized once
+``celery.canvas.group._apply_tasks``      ``install(app)`` (publishing/batches)    a group's records in one batch
 ``kombu.transport.redis.Channel._put``    an app's first recorded publish          the one-call publish
-                                          (tracking.py, one_call.py)               (record and LPUSH together)
+                                          (publishing/one_call.py)                 (record and LPUSH together)
 ``kombu.transport.redis.Channel.QoS``     the worker's ``LeaseStep``               lease-held deliveries
                                           (worker/held.py)                         (no kombu ``unacked`` copy)
 ``celery.worker.control.Panel[revoke]``   the worker (worker/revokes.py)           a plain revoke reaches the lease
-``celery.bin.base.CLIContext.pretty``     ``install(app)`` under Celery's command  ``celery inspect leases``
-                                          line (cli/inspect_leases.py)             prints tables
+``celery.bin.base.CLIContext.pretty``     Celery's command line, importing the     ``celery inspect leases``
+                                          package's ``celery.commands`` entry      prints tables
+                                          point (cli/__init__.py)
 ========================================  =======================================  ==============================
 
 Changes of one object belong to it and end with it: an app's ``send_task``
-(tracking.py), a result backend's ``mark_as_revoked`` (worker/revokes.py), a
+(publishing/tracking.py), a result backend's ``mark_as_revoked`` (worker/revokes.py), a
 worker's pool's ``apply_async`` (worker/isolation.py).
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ from .config import LeaseConfig, client_config
 from .protocol.connection import connect, redact, url_error
 from .exceptions import ConfigurationError
 from .protocol.store import LeaseStore
-from .recovery import Recoverer
+from .recovery.recoverer import Recoverer
 
 _stores: "weakref.WeakKeyDictionary[Any, tuple[int, LeaseStore]]" = weakref.WeakKeyDictionary()
 #: The worker's LeaseWorker (worker/service.py), typed Any: this module sits below the worker wiring.
@@ -37,7 +37,7 @@ def make_store(config: LeaseConfig, **kwargs: Any) -> LeaseStore:
 
 
 #: Called with (app, store) for each store get_store builds: the layers above add their
-#: steps to its recovery passes this way (publish tracking, tracking.py), unseen from here.
+#: steps to its recovery passes this way (publish tracking, publishing/tracking.py), unseen from here.
 _store_hooks: list[Callable[[Any, LeaseStore], None]] = []
 
 

@@ -40,7 +40,7 @@ callbacks_failed = Signal(name="callbacks_failed", providing_args={"task_id", "c
 #: still waiting in a backlog longer than the timeout.
 undelivered_republished = Signal(name="undelivered_republished", providing_args={"task_id", "generation"})
 #: Sent by the recoverer for each result it wrote to the backend because the process that
-#: finished the task (its outcome accepted) died before Celery stored the result (results.py).
+#: finished the task (its outcome accepted) died before Celery stored the result (task/results.py).
 result_written_by_recovery = Signal(name="result_written_by_recovery", providing_args={"task_id", "state"})
 #: Sent in the worker's main process after every heartbeat tick: ``held`` leases the
 #: tick tried to renew (0: none held, no call made), ``seconds`` the renew call took

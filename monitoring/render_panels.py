@@ -65,7 +65,7 @@ def _serve_metrics(**kwargs) -> None:
     """In each worker (threads pool: one process), export the metrics on RENDER_METRICS_PORT."""
     import prometheus_client
 
-    from celery_leases.metrics import enable_prometheus
+    from celery_leases.ops.metrics import enable_prometheus
     enable_prometheus(app)
     prometheus_client.start_http_server(int(os.environ["RENDER_METRICS_PORT"]), addr="127.0.0.1")
 

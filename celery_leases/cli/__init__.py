@@ -16,7 +16,11 @@ from typing import Any
 
 import click
 
-from . import doctor, maintenance, outbox, show
+from . import doctor, inspect_leases, maintenance, outbox, show
+
+# Celery's command line imports this module (its celery.commands entry point) before it loads
+# -A proj, in its own process only: there `celery inspect leases` prints tables.
+inspect_leases.install()
 
 
 # -- the command group --------------------------------------------------------------

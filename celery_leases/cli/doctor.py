@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from ..doctor import OK, StoreUnreachable, diagnose
+from ..ops.diagnosis import OK, StoreUnreachable, diagnose
 from .base import LeasesCommand, EX_UNAVAILABLE, _command, _emit_json, _prefix, _scrub, _secrets, json_option
 
 

@@ -2,8 +2,10 @@
 
 Celery's ``celery inspect`` prints each worker's reply with ``CLIContext.pretty``
 (celery/bin/base.py), which is not told the command: a list becomes one repr
-per line. Celery has no per-command printing hook, so ``install(app)``, in a
-process running Celery's command line, wraps that method (patches.py). The
+per line. Celery has no per-command printing hook, so Celery's command line,
+which imports this package's ``celery.commands`` entry point (cli/__init__.py)
+before it loads ``-A proj``, gets that method wrapped (patches.py); no other
+process imports the command line. The
 wrapper prints a reply as the table of ``format.held_row`` only while the
 ``inspect`` command runs ``leases`` and the reply is a list of leases; every
 other reply (other commands, an empty list, the error a worker without

@@ -126,7 +126,7 @@ def parked(ctx: click.Context, limit: int, as_json: bool) -> None:
 @_command
 def replay(ctx: click.Context, task_id: str, reset_record: bool, as_json: bool) -> None:
     """Re-publish a parked delivery under the same task id, with its original routing."""
-    from ..messages import publish_raw
+    from ..recovery.messages import publish_raw
 
     store, app = _store(ctx), ctx.obj.app
     if store.parked_entry(task_id) is None:

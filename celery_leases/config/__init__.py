@@ -46,7 +46,7 @@ class LeaseConfig:
     shards: int = defaults.SHARDS
     on_lost: str = defaults.ON_LOST
     dead_letter_queue: str | None = defaults.DEAD_LETTER_QUEUE
-    #: Publish tracking (tracking.py): seconds a published task may wait undelivered; None: off.
+    #: Publish tracking (publishing/tracking.py): seconds a published task may wait undelivered; None: off.
     delivery_timeout: float | None = defaults.DELIVERY_TIMEOUT
     unavailable_retry_delay: float = defaults.UNAVAILABLE_RETRY_DELAY
     unavailable_retry_max_delay: float = defaults.UNAVAILABLE_RETRY_MAX_DELAY
@@ -54,7 +54,7 @@ class LeaseConfig:
     worker_recovery: bool = defaults.WORKER_RECOVERY
     #: Redis broker, tracking on: deliveries of recorded tasks held by their lease, not kombu's hash.
     held_deliveries: bool = defaults.HELD_DELIVERIES
-    #: None: add the beat entry only when worker_recovery is off (install.beat_entry_wanted).
+    #: None: add the beat entry only when worker_recovery is off (recovery/beat.py, beat_entry_wanted).
     beat_schedule: bool | None = defaults.BEAT_SCHEDULE
     #: The worker's HTTP endpoint (worker/health.py): its port (None: off) and bind address.
     http_port: int | None = defaults.HTTP_PORT

@@ -35,7 +35,7 @@ from kombu.utils.json import dumps
 
 from ..config import client_config
 from ..exceptions import LeaseError
-from ..publish import new_publish_id
+from ..publishing.publish_id import new_publish_id
 from .claims import claim, publish_batch
 from .connections import Target, target_of
 from .database import Database, Executor

@@ -32,8 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..exceptions import LeaseUnavailable
-from ..publish import publishing_as
-from ..tracking import batched
+from ..publishing.publish_id import publishing_as
+from ..publishing.batches import batched
 from .database import Executor
 from .sql import Table
 

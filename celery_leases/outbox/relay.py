@@ -14,7 +14,7 @@ broker is away, rows wait in the database, where a crash cannot lose them. An un
 database, store or broker is logged once when it starts and once when it ends, and the
 relay retries after a delay that doubles from ``RETRY_DELAY`` up to ``RETRY_MAX_DELAY``.
 Every ``STATUS_INTERVAL`` seconds it reads the outbox's depth and its oldest row's age
-(the ``outbox_status`` signal: the Prometheus gauges, metrics.py).
+(the ``outbox_status`` signal: the Prometheus gauges, ops/metrics.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..runtime import get_store
 from ..signals import outbox_status
-from ..worker.outage import Outage
+from ..outage import Outage
 from .claims import Batch, claim, publish_batch
 from .database import Database, Executor
 from .sql import INIT_COMMAND, missing_table

@@ -19,7 +19,7 @@ from time import monotonic
 from typing import Any, Callable
 
 from ..exceptions import LeaseError
-from ..publish import MAX_PUBLISH_ID, PUBLISH_HEADER
+from ..publishing.publish_id import MAX_PUBLISH_ID, PUBLISH_HEADER
 from ..protocol.keys import usable_id
 
 __all__ = ["LeaseDelivery", "lease_delivery", "MalformedMessage", "Throttled", "validate_message",

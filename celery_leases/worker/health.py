@@ -158,7 +158,7 @@ class Health:
             if importlib.util.find_spec("prometheus_client") is None:
                 text = ("no metrics: /metrics needs the prometheus-client package "
                         "(pip install 'celery-leases[prometheus]') and "
-                        "celery_leases.metrics.enable_prometheus(app) in the app module")
+                        "celery_leases.ops.metrics.enable_prometheus(app) in the app module")
             else:
                 text = "no metrics: call celery_leases.metrics.enable_prometheus(app) in the app module"
             return 404, _TEXT, (text + "\n").encode()

@@ -30,7 +30,7 @@ from ..protocol.codes import Code
 from ..protocol.store import LeaseStore
 from ..signals import heartbeat_ticked, leases_renewed
 from .loop import LOOP_STALL_FLOOR, LOOP_WEDGED_AFTER, LoopWatch, may_start_without_loop
-from .outage import Outage
+from ..outage import Outage
 
 logger = logging.getLogger("celery_leases.heartbeat")
 

@@ -41,7 +41,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from .. import patches
-from ..publish import RECORDED_HEADER, recorded_headers
+from ..publishing.publish_id import RECORDED_HEADER, recorded_headers
 
 logger = logging.getLogger("celery_leases.worker")
 

@@ -11,7 +11,7 @@ gives the task to another worker (docs/recovery.md). A task
 that may start without the loop (already started, given to a pool thread, or
 written to a prefork child) keeps its renewals whatever the loop does: the loop
 may not even have seen it start. Should the loop come back, such a request is
-refused at its start by the check before start (task.py), since its lease was not
+refused at its start by the check before start (task/leased.py), since its lease was not
 renewed.
 """
 from __future__ import annotations

@@ -9,8 +9,11 @@ delivery.py; this module acts on it:
 - an acquired lease: the request carries the token, the heartbeat renews it;
 - any other answer (busy, finished, stale, dead): the delivery is not run;
 - the store unreachable: tried again when the task is due, then re-queued
-  with a growing delay (``_requeue_later``), never run unleased;
-- a permanent error: the delivery is parked (parking.py), never re-queued.
+  with a growing delay, never run unleased;
+- a permanent error: the delivery is parked, never re-queued.
+
+What becomes of a delivery that does not run now (refused, parked, re-queued) is
+refusal.py's.
 
 With an event loop (prefork, threads) the acquire is sent without waiting,
 together with those received meanwhile and the due start marks (acquirer.py).
@@ -30,21 +33,20 @@ from celery.worker.state import revoked as revoked_tasks
 
 from ..protocol.clock import ServerClock
 from ..protocol.codes import Code
-from ..protocol.keys import usable_id
 from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
-from ..messages import envelope_of, publish_raw
-from ..parking import park_delivery
-from ..publish import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
-from ..recovery import Recoverer
+from ..recovery.messages import envelope_of
+from ..publishing.publish_id import PUBLISH_HEADER, RECORDED_HEADER, recorded_headers
+from ..recovery.recoverer import Recoverer
 from ..signals import delivery_refused, lease_acquired
 from ..protocol.records import Acquisition
 from ..protocol.store import LeaseStore
 from .acquirer import Acquirer, Job
 from .delivery import (DUE_HEADER, REQUEUES_HEADER, DeliveryWindow, Throttled, describe,
-                       eta_after, lease_delivery, local_eta, requeue_delay, validate_message)
+                       lease_delivery, local_eta, validate_message)
 from .heartbeat import Heartbeat, Held
 from .isolation import Isolation
+from .refusal import ParkLater, Refusal
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -106,6 +108,8 @@ class Receipt:
             hub.on_tick.add(self.acquirer.tick)
         #: Deliveries admitted per task id per minute (in memory: holds when Redis is down).
         self.window = DeliveryWindow(config.deliveries_per_minute)
+        #: What happens to a delivery that does not run now: parked, re-queued, refused.
+        self.refusal = Refusal(app, config, store, clock)
 
     def drop_pending(self) -> None:
         """The consumer dropped its requests: acquires still under way must not hold leases.
@@ -149,13 +153,13 @@ class Receipt:
         if pending is None:
             return
         try:
-            if isinstance(pending, _ParkLater):
-                self._park(request, pending.exc, due=True)
+            if isinstance(pending, ParkLater):
+                self.refusal.park(request, pending.exc, due=True)
                 return
             if isinstance(pending, Throttled):
                 wait = self.window.room_in(request.id)
                 if wait > 0:
-                    self._requeue_later(request, pending, delay=max(wait, self.config.unavailable_retry_delay))
+                    self.refusal.requeue_later(request, pending, delay=max(wait, self.config.unavailable_retry_delay))
                     return
                 self.window.admit(request.id)
             config = self.task_config(request.task)
@@ -253,9 +257,9 @@ class Receipt:
         """The one rule for errors at receipt: transient -> later, with backoff; anything else -> parked."""
         try:
             if not isinstance(exc, LeaseUnavailable):
-                self._park(request, exc, due)
+                self.refusal.park(request, exc, due)
             elif due:
-                self._requeue_later(request, exc)
+                self.refusal.requeue_later(request, exc)
             else:
                 self._postpone(request, exc)
         except Exception as error:  # noqa: BLE001 - the last resort: refuse to run, loudly
@@ -278,44 +282,10 @@ class Receipt:
         if first and isinstance(reason, LeaseUnavailable):
             lease_delivery(request).warned = True
 
-    def _park(self, request: Any, exc: BaseException, due: bool) -> None:
-        """A permanent error: the delivery is never run and never re-queued; it is parked
-        (parking.py: kept for the operator, waiters released) and acknowledged."""
-        reason = str(exc) or repr(exc)
-        request.request_dict["lease_skip"] = f"delivery parked: {reason}"
-        # An id that cannot be a key (None, a float, a lone surrogate) is parked under its repr.
-        task_id = request.id if usable_id(request.id) else repr(request.id)
-        try:
-            try:
-                envelope: dict | None = envelope_of(request.message)
-            except Exception:  # noqa: BLE001 - a message too broken to describe is parked without it
-                envelope = None
-            park_delivery(self.app, self.store, task_id, reason, name=request.task.name,
-                          body=_bytes_or_empty(request.message.body), envelope=envelope,
-                          key=getattr(exc, "key", "") or "", field=getattr(exc, "field", "") or "",
-                          exc=exc if isinstance(exc, Exception) else None)
-        except Exception as park_exc:  # noqa: BLE001 - not parked: kept, and tried again later
-            logger.error("task %s: delivery must be parked (%s), but parking failed: %r",
-                         describe(request), reason, park_exc)
-            if due:
-                self._requeue_later(request, LeaseUnavailable(f"parking failed: {park_exc!r}"))
-            else:
-                lease_delivery(request).pending = _ParkLater(exc)
-            return
-        self._refused(request)  # park_delivery logged it, naming the task, key and field
-
     def park_unleased(self, request: Any) -> None:
         """A leased request is due to run with no lease and no decision from receipt."""
-        self._park(request, LeaseError(f"task {describe(request)}: no lease was acquired at receipt "
+        self.refusal.park(request, LeaseError(f"task {describe(request)}: no lease was acquired at receipt "
                                        f"(the task_received hook did not settle it)"), due=True)
-
-    @staticmethod
-    def _refused(request: Any) -> None:
-        """Receipt settled this delivery without running it: acknowledge it now (its
-        prefetch slot is free at once); Celery's hand-over then completes it without
-        its pool (LeasedRequest.execute_using_pool)."""
-        lease_delivery(request).refused = True
-        request.acknowledge()
 
     def _settle(self, request: Any, config: LeaseConfig, acq: Acquisition) -> None:
         """An acquired lease: the request carries its token and the heartbeat renews it.
@@ -375,62 +345,3 @@ class Receipt:
             generation = int((request.message.headers or {}).get("lease_generation") or 0)
             return f"generation {generation}, current {acq.generation}"
         return f"leases_max_recoveries {config.max_recoveries}"
-
-    def _requeue_later(self, request: Any, exc: LeaseError, delay: float | None = None) -> None:
-        """Never run without a lease: publish a delayed copy (same id and headers) and
-        acknowledge this one.
-
-        The delay doubles with each re-queue of the delivery (``lease_requeues``
-        header), from ``leases_unavailable_retry_delay`` up to
-        ``leases_unavailable_retry_max_delay``; ``delay`` overrides it (a full
-        delivery window). The ETA is on the lease store's clock (ServerClock),
-        not this worker's wall clock; the receiving worker lays it on its own
-        (``lease_due_ms``, ``_translate_due``).
-        """
-        message = request.message
-        env = envelope_of(message)
-        headers = dict(env["headers"])
-        requeues = headers.get(REQUEUES_HEADER) or 0
-        if type(requeues) is not int or requeues < 0:  # validated at receipt; a last resort here
-            requeues = 0
-        if delay is None:
-            delay = requeue_delay(self.config.unavailable_retry_delay,
-                                  self.config.unavailable_retry_max_delay, requeues)
-            headers[REQUEUES_HEADER] = requeues + 1
-        now, source = self.clock.now(read=not isinstance(exc, LeaseUnavailable))
-        headers["eta"] = eta_after(now, delay)
-        headers[DUE_HEADER] = int(now.timestamp() * 1000 + delay * 1000)
-        what = "postponed" if isinstance(exc, Throttled) else "lease store unreachable"
-        request.request_dict["lease_skip"] = f"{what}, re-queued to run in {delay:g}s"
-        try:
-            publish_raw(self.app, message.body, env, headers)
-        except Exception as publish_exc:  # noqa: BLE001 - the message must not be lost quietly
-            request.request_dict["lease_skip"] = None
-            request.request_dict["lease_unavailable"] = f"{exc}; re-queue failed: {publish_exc!r}"
-            logger.error("task %s[%s]: %s and the delayed copy could not be published: %r",
-                         request.task.name, request.id, what, publish_exc)
-            return
-        # One line per task when it goes unreachable (here, unless receipt already
-        # said so), not one per copy; a postponement is rare and always said.
-        first = not requeues and not isinstance(exc, Throttled)
-        loud = isinstance(exc, Throttled) or (first and not lease_delivery(request).warned)
-        logger.log(logging.WARNING if loud else logging.DEBUG,
-                   "task %s[%s]: %s (%s); message re-queued to run in %gs (ETA %s by the %s)%s",
-                   request.task.name, request.id, what, exc, delay, headers["eta"], source,
-                   "; its later re-queues are logged at DEBUG until it runs" if first else "")
-        self._refused(request)
-
-
-class _ParkLater:
-    """A delivery that must be parked, but parking failed at receipt: tried again when due."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _bytes_or_empty(body: Any) -> bytes:
-    if isinstance(body, (bytes, bytearray)):
-        return bytes(body)
-    if isinstance(body, str):
-        return body.encode("utf-8", "surrogatepass")
-    return b""

@@ -8,7 +8,7 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
-- fallback.py: recovery passes without beat (started by ``RecoveryStep``);
+- recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
 - isolation.py: on a shared-process pool, a task of uncertain blame runs alone.
 
 This module keeps what is left: start and stop, the per-task settings, and
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from celery.concurrency.base import BasePool
 from celery.worker.state import active_requests
 
-from ..checks import run_checks
+from .checks import run_checks
 from ..protocol.clock import server_clock
 from ..config import LeaseConfig
 from ..exceptions import LeaseError

@@ -2,7 +2,7 @@
 
 Thin on purpose, in the shape of Celery's own ``worker/consumer/heart.py``:
 each step is an on/off switch and an ordering, and hands its service what it
-needs. What the services do is in service.py, heartbeat.py, fallback.py,
+needs. What the services do is in service.py, heartbeat.py, recovery/fallback.py,
 receipt.py and health.py.
 
 - ``HealthStep`` (worker): the HTTP probes and the health file (health.py), when
@@ -34,7 +34,7 @@ from ..exceptions import ConfigurationError, LeaseError, LeaseUnavailable
 from ..runtime import get_store, get_worker, set_worker
 from . import held
 from ..outbox.relay import Relay
-from .fallback import FallbackRecovery
+from ..recovery.fallback import FallbackRecovery
 from .health import Health
 from .isolation import Isolation, shares_process
 from .loop import LoopWatch
@@ -196,7 +196,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
 
 
 class RecoveryStep(bootsteps.StartStopStep):
-    """Worker bootstep: the fallback recovery thread (fallback.py), when
+    """Worker bootstep: the fallback recovery thread (recovery/fallback.py), when
     ``leases_worker_recovery`` is on."""
 
     label = "Leases recovery"

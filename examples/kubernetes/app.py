@@ -18,7 +18,7 @@ import os
 from celery import Celery
 
 import celery_leases
-from celery_leases.metrics import enable_prometheus
+from celery_leases.ops.metrics import enable_prometheus
 
 app = Celery("proj", broker=os.environ.get("BROKER_URL", "redis://localhost:6379/0"),
              backend=os.environ.get("RESULT_BACKEND", "redis://localhost:6379/1"))

@@ -17,7 +17,7 @@ from uuid import uuid4
 import pytest
 from redis.crc import key_slot
 
-from celery_leases.checks import run_checks
+from celery_leases.worker.checks import run_checks
 from celery_leases.protocol.codes import Code
 from celery_leases.config import get_config
 from celery_leases.protocol.connection import connect, describe

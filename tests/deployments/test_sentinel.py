@@ -127,7 +127,7 @@ def test_the_sentinel_client_carries_the_data_node_password_and_sentinel_kwargs(
 def test_a_sentinel_store_never_writes_results_for_a_backend_on_localhost():
     # The finish script writes the result itself only when the backend is the store's own
     # server; a Sentinel client has no fixed host, which must not read as localhost:6379.
-    from celery_leases.results import shares_server
+    from celery_leases.task.results import shares_server
     app = Celery("s", backend="redis://127.0.0.1:6379/0", set_as_current=False)
     store = LeaseStore(connect("sentinel://127.0.0.1:26379/0", transport_options={"master_name": "m"}))
     assert not shares_server(app.backend, store)

@@ -34,7 +34,7 @@ def registry():
 @pytest.fixture
 def metrics(client_app, registry):
     """celery-leases' metrics of ``client_app`` exported to ``registry``; disabled after the test."""
-    from celery_leases.metrics import enable_prometheus
+    from celery_leases.ops.metrics import enable_prometheus
     m = enable_prometheus(client_app, registry)
     yield m
     m.disable()

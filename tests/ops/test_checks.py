@@ -9,7 +9,7 @@ from celery import Celery
 
 import celery_leases
 from celery_leases import LeaseStore, LeaseUnavailable
-from celery_leases.checks import _CHECKS, FINDINGS, found, run_checks
+from celery_leases.worker.checks import _CHECKS, FINDINGS, found, run_checks
 from celery_leases.config import get_config
 from celery_leases.worker.service import LeaseWorker
 from celery_leases.testing.servers import RedisServer, free_port
@@ -205,7 +205,7 @@ def test_the_worker_logs_each_finding_at_the_level_the_doctor_reports_it(server,
     # When a worker's start-up checks run, and the doctor looks at the same deployment
     with caplog.at_level(logging.INFO, logger="celery_leases.checks"):
         findings = run_checks(app, get_config(app), store)
-    from celery_leases.doctor import diagnose
+    from celery_leases.ops.diagnosis import diagnose
     doctor = {(f.check, f.what): f.level for f in diagnose(app, scan=False, observe=0)}
     # Then each finding has one level: the worker's log line, the doctor's line, the table
     logged = {r.getMessage().removeprefix("celery-leases: "): r.levelname for r in caplog.records}

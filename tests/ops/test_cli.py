@@ -369,7 +369,7 @@ def test_held_for_is_the_time_since_the_last_acquisition(store):
 
 def real_message(client_app, key_prefix, *args):
     """(task id, body, envelope) of a real `add` message, as a worker would have received it."""
-    from celery_leases.messages import envelope_of
+    from celery_leases.recovery.messages import envelope_of
     side = f"{key_prefix}-side"
     result = client_app.signature(f"{TASKS}.add", args).apply_async(queue=side)
     with client_app.connection_for_read() as conn:

@@ -305,7 +305,7 @@ def test_no_beat_entry_while_workers_recover_by_default(settings):
 
 
 def test_eager_mode_runs_without_a_lease_and_warns_once_per_process(caplog, monkeypatch):
-    import celery_leases.task as task_module
+    import celery_leases.task.leased as task_module
     monkeypatch.setattr(task_module, "_warned_unleased", False)
     app = make_app(task_always_eager=True)
     celery_leases.install(app)

@@ -34,7 +34,7 @@ from tests.support.workers import CELERY, ROOT, Worker
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser",
                                         reason="pip install -e '.[test]' installs prometheus-client")
-from celery_leases.metrics import enable_prometheus  # noqa: E402
+from celery_leases.ops.metrics import enable_prometheus  # noqa: E402
 
 HEALTH_APP = "tests.support.apps.health_app"
 #: health_app.WEDGE_TASK (the module is not imported here: its enable_prometheus(app) would

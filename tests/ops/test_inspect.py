@@ -1,5 +1,5 @@
 """`celery -A proj inspect leases` and `celery leases ls --workers` on real `celery worker` processes,
-and how `celery inspect` prints other commands' replies once install(app) wrapped its printing."""
+and how `celery inspect` prints other commands' replies once its printing is wrapped."""
 from __future__ import annotations
 
 import contextlib
@@ -103,10 +103,10 @@ def test_inspect_leases_answers_each_workers_held_leases(cli, celery_env, start_
 
 @pytest.fixture
 def wrapped():
-    """CLIContext.pretty wrapped as install(app) wraps it under Celery's command line."""
+    """CLIContext.pretty wrapped as under Celery's command line (importing celery_leases.cli)."""
     installed = inspect_leases.install()
     yield
-    if installed:  # leave a wrapper another test's install(app) made
+    if installed:  # leave a wrapper an import of celery_leases.cli made
         patches.undo(inspect_leases.NAME)
 
 

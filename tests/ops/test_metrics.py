@@ -12,7 +12,7 @@ from prometheus_client import generate_latest  # noqa: E402
 
 import celery_leases  # noqa: E402
 from celery_leases.worker.heartbeat import Heartbeat, Held  # noqa: E402
-from celery_leases.metrics import enable_prometheus  # noqa: E402
+from celery_leases.ops.metrics import enable_prometheus  # noqa: E402
 
 TASKS = "tests.support.apps.leased_app"
 
@@ -137,6 +137,6 @@ def test_a_heartbeat_tick_counts_the_leases_it_renewed(client_app, registry, met
 
 def test_a_missing_prometheus_client_is_an_import_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
-    monkeypatch.delitem(sys.modules, "celery_leases.metrics")
+    monkeypatch.delitem(sys.modules, "celery_leases.ops.metrics")
     with pytest.raises(ImportError, match=r"pip install 'celery-leases\[prometheus\]'"):
-        importlib.import_module("celery_leases.metrics")
+        importlib.import_module("celery_leases.ops.metrics")

@@ -8,9 +8,9 @@ pytest.importorskip("prometheus_client", reason="pip install -e '.[test]' instal
 
 import celery_leases  # noqa: E402
 from celery_leases.exceptions import LeaseUnavailable  # noqa: E402
-from celery_leases.metrics import LOST_REASONS  # noqa: E402
+from celery_leases.ops.metrics import LOST_REASONS  # noqa: E402
 from celery_leases.protocol.codes import OUTCOMES  # noqa: E402
-from celery_leases.worker.fallback import FallbackRecovery  # noqa: E402
+from celery_leases.recovery.fallback import FallbackRecovery  # noqa: E402
 from celery_leases.worker.heartbeat import Heartbeat, Held  # noqa: E402
 
 

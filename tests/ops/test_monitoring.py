@@ -25,7 +25,7 @@ from celery import Celery
 pytest.importorskip("prometheus_client", reason="pip install -e '.[test]' installs prometheus-client")
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from celery_leases.metrics import LeaseMetrics  # noqa: E402
+from celery_leases.ops.metrics import LeaseMetrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "monitoring"

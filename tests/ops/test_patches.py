@@ -19,12 +19,13 @@ import celery_leases
 from celery_leases import patches
 from celery_leases.testing import undo_patches
 from celery_leases.worker import held, revokes
-from celery_leases import one_call
+from celery_leases.publishing import one_call
 
 before = {"dumps": kombu.messaging.dumps, "apply": canvas.group._apply_tasks, "put": kr.Channel._put,
           "qos": kr.Channel.QoS, "revoke": control.Panel.data["revoke"], "pretty": cli.CLIContext.pretty}
 app = Celery("p", broker="redis://127.0.0.1:1/0")
 celery_leases.install(app)
+import celery_leases.cli           # Celery's command line: its celery.commands entry point
 one_call.install()                 # an app's first recorded publish (one Redis)
 held.install()                     # a worker's LeaseStep on a Redis broker
 revokes.install_control_hook()     # a worker
@@ -41,7 +42,7 @@ print(json.dumps({"changed": changed, "names": names,
 
 
 def test_install_patches_are_named_in_one_place_and_undone():
-    # Given a fresh interpreter where install(app) (under Celery's command line), the one-call
+    # Given a fresh interpreter where install(app), Celery's command line (its entry point), the one-call
     # publish, the worker's held deliveries and its revoke hook have changed Celery's and kombu's code
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

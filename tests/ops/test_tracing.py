@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 import celery_leases  # noqa: E402
-from celery_leases import tracing  # noqa: E402
+from celery_leases.ops import tracing  # noqa: E402
 from celery_leases.testing import make_stale, wait_for_lease  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

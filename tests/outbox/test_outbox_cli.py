@@ -63,7 +63,7 @@ def test_an_unreachable_database_is_a_one_line_error_without_its_password(outbox
 
 def test_the_relay_sets_the_outbox_gauges(sqlite_url, outbox_env, outbox_table):
     prometheus_client = pytest.importorskip("prometheus_client")
-    from celery_leases.metrics import LeaseMetrics
+    from celery_leases.ops.metrics import LeaseMetrics
     from celery_leases.outbox import Relay
     from celery_leases.outbox.database import Database
     from tests.support.apps.leased_app import create_app

@@ -19,6 +19,7 @@ pytest_celery_lib.require()
 from pytest_celery import CeleryTestBackend, CeleryTestBroker, CeleryTestWorker  # noqa: E402
 from pytest_celery.api.base import CeleryTestCluster, CeleryTestNode  # noqa: E402
 
+from celery_leases.testing import containers  # noqa: E402
 from celery_leases.testing import pytest_celery as adapter  # noqa: E402
 
 CALL = re.compile(r"\.container\.(\w+)")
@@ -70,7 +71,7 @@ def test_a_local_worker_without_pool_or_concurrency_leaves_them_to_the_app(tmp_p
     # test's worker app decide (Celery's smoke tests set worker_concurrency = 1).
     command = ["python", "-m", "celery_leases.testing", "app", "worker", "-P", "prefork", "-c", "1",
                "-n", "x@y", "-Q", "q"]
-    assert adapter._without_options(command, {"-P": True, "-c": True}) == [
+    assert containers._without_options(command, {"-P": True, "-c": True}) == [
         "python", "-m", "celery_leases.testing", "app", "worker", "-n", "x@y", "-Q", "q"]
 
 

@@ -19,8 +19,8 @@ from celery.exceptions import ImproperlyConfigured
 from kombu.serialization import dumps
 
 import celery_leases
-from celery_leases.publish import PUBLISH_HEADER, new_publish_id
-from celery_leases.messages import publish_raw
+from celery_leases.publishing.publish_id import PUBLISH_HEADER, new_publish_id
+from celery_leases.recovery.messages import publish_raw
 from celery_leases.signals import delivery_refused
 from celery_leases.testing import make_stale, wait_for_lease
 

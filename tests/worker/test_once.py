@@ -13,7 +13,7 @@ import pytest
 
 import celery_leases
 from celery_leases import Code, LeaseLost, LeaseStore
-from celery_leases.lease import DETACHED, Lease
+from celery_leases.task.lease import DETACHED, Lease
 from celery_leases.testing import wait_for
 
 TASKS = "tests.support.apps.leased_app"

@@ -8,7 +8,7 @@ import redis
 
 import celery_leases
 from celery_leases import CorruptRecord, DeliveryParked, LeaseStore
-from celery_leases.parking import park_delivery
+from celery_leases.recovery.parking import park_delivery
 
 
 @pytest.fixture

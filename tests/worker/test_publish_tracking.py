@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 import celery_leases
-from celery_leases.tracking import queued_tasks
+from celery_leases.publishing.tracking import queued_tasks
 from celery_leases.testing.servers import free_port
 from tests.support.workers import ROOT, busy_with_backlog, run_counts
 
@@ -163,7 +163,7 @@ def test_a_task_past_its_expires_while_undelivered_is_revoked_for_its_waiters(cl
 def test_republished_undelivered_tasks_are_a_metric_and_a_stats_counter(client_app):
     prometheus_client = pytest.importorskip("prometheus_client")
     from celery_leases.cli.show import _stats
-    from celery_leases.metrics import enable_prometheus
+    from celery_leases.ops.metrics import enable_prometheus
     from celery_leases.signals import undelivered_republished
     registry = prometheus_client.CollectorRegistry()
     metrics = enable_prometheus(client_app, registry)
@@ -222,7 +222,7 @@ def test_a_worker_acquires_a_recorded_task_without_sending_its_message(client_ap
                                                                         broker_server, key_prefix):
     import json
 
-    from celery_leases.publish import RECORDED_HEADER, recorded_headers
+    from celery_leases.publishing.publish_id import RECORDED_HEADER, recorded_headers
     # Given a task recorded at publish, its message waiting in the broker (no worker yet)
     result = client_app.signature(f"{TASKS}.sleep_then_echo", ("x", 2.0)).apply_async()
     store = celery_leases.store(client_app)

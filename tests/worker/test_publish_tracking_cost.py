@@ -19,7 +19,7 @@ from kombu.exceptions import OperationalError
 
 import celery_leases
 from celery_leases.testing import run_recovery
-from celery_leases.tracking import PublishOutage, queued_tasks
+from celery_leases.publishing.tracking import PublishOutage, queued_tasks
 
 TASKS = "tests.support.apps.leased_app"
 #: What enqueue.lua calls inside the script (commandstats counts those too), and the test's own reads.
@@ -452,7 +452,7 @@ def test_only_a_first_attempt_is_marked_recorded(make_app, broker, key_prefix):
 
     from celery.signals import before_task_publish
 
-    from celery_leases.publish import RECORDED_HEADER, recorded_headers
+    from celery_leases.publishing.publish_id import RECORDED_HEADER, recorded_headers
     # Given a tracking publisher, with compression (a header kombu adds after the record)
     app = make_app(task_compression="zlib")
     first = publish(app)
@@ -479,7 +479,7 @@ def test_only_a_first_attempt_is_marked_recorded(make_app, broker, key_prefix):
 
 
 def test_the_recorded_digest_depends_on_header_names_only():
-    from celery_leases.publish import RECORDED_HEADER, recorded_headers
+    from celery_leases.publishing.publish_id import RECORDED_HEADER, recorded_headers
     # Values may change on the wire (a tuple arrives as a list): only the names count,
     digest = recorded_headers({"id": "t", "timelimit": (None, None)})
     assert digest == recorded_headers({"id": "t", "timelimit": [None, None], RECORDED_HEADER: "x"})

@@ -363,7 +363,7 @@ def test_a_callback_that_cannot_be_sent_is_reported_naming_task_and_callback(cap
     from celery import Celery
     from celery.app.task import Context
 
-    from celery_leases.callbacks import send_callbacks
+    from celery_leases.task.callbacks import send_callbacks
     from celery_leases.testing.servers import free_port
     from celery_leases.signals import callbacks_failed
     app = Celery("unsent", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)

@@ -10,7 +10,7 @@ import time
 
 from celery.signals import task_received
 
-from celery_leases.metrics import enable_prometheus
+from celery_leases.ops.metrics import enable_prometheus
 from tests.support.apps.leased_app import create_app
 
 app = create_app(os.environ)

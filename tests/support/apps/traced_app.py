@@ -1,7 +1,7 @@
 """A Celery app whose pool processes trace with OpenTelemetry (tests/ops/test_tracing.py).
 
 Each pool process sets up the SDK, the Celery instrumentor and
-``celery_leases.tracing.enable(app)`` at ``worker_process_init``, and exports every
+``celery_leases.ops.tracing.enable(app)`` at ``worker_process_init``, and exports every
 finished span as one JSON line to ``$TRACED_SPANS_FILE`` (the worker is a subprocess:
 the test reads the file).
 """
@@ -33,7 +33,7 @@ def init_tracing(*args, **kwargs) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
-    import celery_leases.tracing
+    import celery_leases.ops.tracing
 
     class JsonLines(SpanExporter):
         def export(self, spans):
@@ -52,4 +52,4 @@ def init_tracing(*args, **kwargs) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(JsonLines()))
     CeleryInstrumentor().instrument(tracer_provider=provider)
-    celery_leases.tracing.enable(app)
+    celery_leases.ops.tracing.enable(app)

@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 from redis.exceptions import RedisError, ResponseError
 
-from .config import LeaseConfig
-from .protocol.connection import scheme
-from .protocol.admin import other_layout
-from .protocol.store import LeaseStore
+from ..config import LeaseConfig
+from ..protocol.connection import scheme
+from ..protocol.admin import other_layout
+from ..protocol.store import LeaseStore
 
 logger = logging.getLogger("celery_leases.checks")
 

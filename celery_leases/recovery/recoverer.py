@@ -11,13 +11,13 @@ from typing import Any
 
 from kombu import Queue
 
-from .config import client_config
-from .exceptions import LeaseError, LeaseExpired
+from ..config import client_config
+from ..exceptions import LeaseError, LeaseExpired
 from .messages import publish_raw, request_of
 from .parking import park_delivery
-from .signals import lease_dead, lease_recovered
-from .protocol.records import Claim
-from .protocol.store import LeaseStore
+from ..signals import lease_dead, lease_recovered
+from ..protocol.records import Claim
+from ..protocol.store import LeaseStore
 
 logger = logging.getLogger("celery_leases.recovery")
 

@@ -14,11 +14,11 @@ from typing import Any, Mapping
 
 from kombu import Queue
 
-from .config import client_config
-from .exceptions import DeliveryParked, LeaseError
+from ..config import client_config
+from ..exceptions import DeliveryParked, LeaseError
 from .messages import publish_raw, request_of
-from .signals import delivery_parked
-from .protocol.store import LeaseStore
+from ..signals import delivery_parked
+from ..protocol.store import LeaseStore
 
 __all__ = ["park_delivery"]
 

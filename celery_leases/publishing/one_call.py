@@ -26,9 +26,9 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps as kombu_dumps
 
-from . import patches
-from .exceptions import LeaseError, LeaseUnavailable
-from .protocol.queued import QueuedTask, QueuedTasks
+from .. import patches
+from ..exceptions import LeaseError, LeaseUnavailable
+from ..protocol.queued import QueuedTask, QueuedTasks
 
 logger = logging.getLogger("celery_leases.tracking")
 

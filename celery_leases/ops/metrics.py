@@ -37,17 +37,17 @@ try:
     import prometheus_client
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides the module
     raise ImportError(
-        "celery_leases.metrics needs the prometheus-client package: "
+        "celery_leases.ops.metrics needs the prometheus-client package: "
         "pip install 'celery-leases[prometheus]'") from exc
 from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from .protocol.codes import OUTCOMES, Code
-from .signals import (callbacks_failed, delivery_parked, heartbeat_ticked, lease_acquired, lease_dead, lease_lost,
+from ..protocol.codes import OUTCOMES, Code
+from ..signals import (callbacks_failed, delivery_parked, heartbeat_ticked, lease_acquired, lease_dead, lease_lost,
                       lease_recovered, leases_renewed, outbox_status, recovery_pass, stale_outcome_rejected,
                       result_written_by_recovery, undelivered_republished)
-from .worker.health import set_exporter
+from ..worker.health import set_exporter
 
 __all__ = ["enable_prometheus", "LeaseMetrics", "TIME_TO_RECOVERY_BUCKETS", "RENEW_BUCKETS"]
 

@@ -5,10 +5,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from .exceptions import CorruptRecord, LeaseLost, LeaseUnavailable
+from ..exceptions import CorruptRecord, LeaseLost, LeaseUnavailable
 
 if TYPE_CHECKING:
-    from .protocol.store import LeaseStore
+    from ..protocol.store import LeaseStore
 
 logger = logging.getLogger("celery_leases.task")
 

@@ -31,10 +31,10 @@ from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.signals import worker_process_shutdown, worker_shutdown
 
-from .protocol import unwritten
-from .protocol.records import RecoveryReport
-from .protocol.unwritten import KEPT_MAX, UnwrittenResult
-from .signals import result_written_by_recovery
+from ..protocol import unwritten
+from ..protocol.records import RecoveryReport
+from ..protocol.unwritten import KEPT_MAX, UnwrittenResult
+from ..signals import result_written_by_recovery
 
 logger = logging.getLogger("celery_leases.results")
 

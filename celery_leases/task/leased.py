@@ -18,18 +18,18 @@ from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import publish  # noqa: F401 - stamps each publish with its own id (publish.py)
-from . import tracing
-from .worker import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
+from ..publishing import publish_id  # noqa: F401 - stamps each publish with its own id (publish_id.py)
+from ..ops import tracing
+from ..worker import startup  # noqa: F401 - connects the worker start-up check (install(app) forgotten)
 from .callbacks import send_callbacks
-from .protocol.codes import Code
-from .config import client_config, get_config, task_option_errors
-from .exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
+from ..protocol.codes import Code
+from ..config import client_config, get_config, task_option_errors
+from ..exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
 from .results import confirmations, fused_write, keep_failure, keep_success, mark_stored
-from .runtime import get_store, get_worker
-from .protocol.settle import settle_finish
-from .signals import delivery_refused, stale_outcome_rejected
+from ..runtime import get_store, get_worker
+from ..protocol.settle import settle_finish
+from ..signals import delivery_refused, stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.task")
 
@@ -61,7 +61,7 @@ class LeasedTask(Task):
     Per-task settings (``None`` means the app's ``leases_*`` setting):
     """
 
-    Request = "celery_leases.request:LeasedRequest"
+    Request = "celery_leases.task.request:LeasedRequest"
 
     #: Marks the task class as leased for the worker's hooks.
     leased = True

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Callable
 
-from ..exceptions import LeaseError
+from .exceptions import LeaseError
 
 
 class Outage:

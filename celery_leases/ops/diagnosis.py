@@ -21,14 +21,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from .checks import ERROR, FINDINGS, INFO, OK, WARNING, run_checks
-from .config import LeaseConfig, client_config
-from .exceptions import ConfigurationError, CorruptRecord, LeaseUnavailable
-from .protocol.admin import scan_all
-from .protocol.codes import ACTIVE, RECOVERING
-from .protocol.store import LeaseStore
-from .runtime import get_store
-from .worker.startup import problems
+from ..worker.checks import ERROR, FINDINGS, INFO, OK, WARNING, run_checks
+from ..config import LeaseConfig, client_config
+from ..exceptions import ConfigurationError, CorruptRecord, LeaseUnavailable
+from ..protocol.admin import scan_all
+from ..protocol.codes import ACTIVE, RECOVERING
+from ..protocol.store import LeaseStore
+from ..runtime import get_store
+from ..worker.startup import problems
 
 #: Levels that make the doctor exit 1.
 FINDING_LEVELS = (ERROR, WARNING)

@@ -12,7 +12,7 @@ import threading
 
 from ..protocol.store import LeaseStore
 from ..signals import recovery_pass
-from .outage import Outage
+from ..outage import Outage
 
 logger = logging.getLogger("celery_leases.worker")
 

@@ -19,12 +19,12 @@ from celery.worker.request import Request
 from celery.worker.state import revoked as revoked_tasks
 from celery.worker.state import task_ready
 
-from .exceptions import LeaseLost, LeaseUnavailable
-from .worker.delivery import lease_delivery
-from .worker.revokes import decided
-from .runtime import get_worker
-from .protocol.settle import settle_finish
-from .signals import stale_outcome_rejected
+from ..exceptions import LeaseLost, LeaseUnavailable
+from ..worker.delivery import lease_delivery
+from ..worker.revokes import decided
+from ..runtime import get_worker
+from ..protocol.settle import settle_finish
+from ..signals import stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.worker")
 

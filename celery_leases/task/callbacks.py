@@ -22,8 +22,8 @@ from typing import Any, Callable
 from celery.canvas import signature
 from kombu.exceptions import EncodeError, OperationalError
 
-from . import defaults
-from .signals import callbacks_failed
+from .. import defaults
+from ..signals import callbacks_failed
 
 logger = logging.getLogger("celery_leases.task")
 

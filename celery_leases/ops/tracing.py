@@ -33,9 +33,9 @@ from typing import Any
 
 from celery.signals import task_postrun
 
-from .config import get_config
-from .protocol.codes import Code
-from .signals import delivery_refused, lease_lost, stale_outcome_rejected
+from ..config import get_config
+from ..protocol.codes import Code
+from ..signals import delivery_refused, lease_lost, stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.tracing")
 
@@ -62,7 +62,7 @@ def enable(app: Any = None) -> None:
     try:
         from opentelemetry import trace
     except ImportError as exc:
-        raise ImportError("celery_leases.tracing needs opentelemetry: "
+        raise ImportError("celery_leases.ops.tracing needs opentelemetry: "
                           "pip install 'celery-leases[opentelemetry]'") from exc
 
     _trace = trace
