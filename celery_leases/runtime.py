@@ -7,8 +7,10 @@ main process's registry.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from .config import LeaseConfig, client_config
 from .protocol.connection import connect, redact, url_error
@@ -81,3 +83,24 @@ def get_worker(app: Any) -> Any:
     if entry is None or entry[0] != os.getpid():
         return None
     return entry[1]
+
+
+#: The task id whose revoke the announce path already put to the store (per thread).
+_decided = threading.local()
+
+
+@contextmanager
+def decided(task_id: str) -> Iterator[None]:
+    """Celery's own announce runs inside this: its REVOKED write is not asked about again
+    (worker/revokes.py's gate of the backend reads it)."""
+    previous = getattr(_decided, "task_id", None)
+    _decided.task_id = task_id
+    try:
+        yield
+    finally:
+        _decided.task_id = previous
+
+
+def is_decided(task_id: str) -> bool:
+    """True inside ``decided(task_id)`` on this thread."""
+    return getattr(_decided, "task_id", None) == task_id

@@ -15,7 +15,7 @@ from celery import states
 from ..protocol.queued import Undelivered
 from ..recovery.messages import publish_raw, request_of
 from ..signals import undelivered_republished
-from ..worker.revokes import decided
+from ..runtime import decided
 
 logger = logging.getLogger("celery_leases.tracking")
 

@@ -21,7 +21,7 @@ from celery.worker.state import task_ready
 
 from ..exceptions import LeaseLost, LeaseUnavailable
 from ..worker.delivery import lease_delivery
-from ..worker.revokes import decided
+from ..runtime import decided
 from ..runtime import get_worker
 from ..protocol.settle import settle_finish
 from ..signals import stale_outcome_rejected

@@ -30,9 +30,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
 from functools import cached_property
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from celery import states
 from celery.worker.state import active_requests
@@ -42,25 +41,10 @@ from ..config import LeaseConfig
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..protocol.codes import Code
 from ..protocol.store import LeaseStore
-from ..runtime import get_worker
+from ..runtime import get_worker, is_decided
 from .heartbeat import Heartbeat
 
 logger = logging.getLogger("celery_leases.worker")
-
-#: The task id whose revoke the announce path already put to the store (per thread).
-_decided = threading.local()
-
-
-@contextmanager
-def decided(task_id: str) -> Iterator[None]:
-    """Celery's own announce runs inside this: its REVOKED write is not asked about again."""
-    previous = getattr(_decided, "task_id", None)
-    _decided.task_id = task_id
-    try:
-        yield
-    finally:
-        _decided.task_id = previous
-
 
 def gate_backend(backend: Any, decide: Callable[[str], bool]) -> None:
     """Make ``backend.mark_as_revoked`` store REVOKED only when ``decide(task_id)`` says so.
@@ -74,7 +58,7 @@ def gate_backend(backend: Any, decide: Callable[[str], bool]) -> None:
 
     def mark_as_revoked(task_id: str, reason: str = "", request: Any = None,
                         store_result: bool = True, state: str = states.REVOKED) -> Any:
-        if getattr(_decided, "task_id", None) != task_id and not decide(task_id):
+        if not is_decided(task_id) and not decide(task_id):
             return None
         return original(task_id, reason, request=request, store_result=store_result, state=state)
 
