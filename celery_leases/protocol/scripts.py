@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from importlib import resources
-from typing import Any, Sequence
 
-import redis
-
-from .calls import call_script
 from .codes import STATES, TERMINAL_STATES, Code
 
 SCRIPT_NAMES = (
@@ -64,9 +60,6 @@ class Script:
         self.name = name
         self.source = source(name)
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
-
-    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return call_script(client, self, keys, args)
 
 
 class Scripts:
