@@ -1,4 +1,4 @@
-"""Operator reads and repairs (the CLI's ``celery leases ...``), over a LeaseStore.
+"""Operator reads and repairs (the CLI's ``celery leases ...``), over a store's core (core.py).
 
 Nothing here is on a task's hot path: listings walk the database with SCAN,
 statistics sum every shard. The methods of the store that docs/operations.md

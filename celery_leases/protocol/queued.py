@@ -55,7 +55,7 @@ class QueuedTask:
 
 
 class QueuedTasks:
-    """The records of one LeaseStore (its prefix and shards) waiting for a delivery: queued at
+    """The records of one store (its prefix and shards) waiting for a delivery: queued at
     publish, or recovering (a confirmed re-publish, a retry hand-over)."""
 
     #: The longest wait between two re-publishes of a task that stays undelivered, as a
