@@ -139,19 +139,17 @@ def child(url: str, runs: int, calls: int) -> dict[str, Any]:
              "pipelined": (pipelined_hand, pipelined_redis, max(1, calls // BATCH)),
              "big": (big_hand, big_redis, max(1, calls // 20))}
     out: dict[str, Any] = {row: {"hand": [], "redis": []} for row in pairs}
-    for row, (hand, red, n) in pairs.items():  # one warm-up run each, not counted
-        run_id[0] = -1
+    run_id[0] = -1
+    for hand, red, _ in pairs.values():  # one warm-up call each, not counted
         hand(0), red(0)
     for run in range(runs):
         run_id[0] = run
         for row, (hand, red, n) in pairs.items():
             out[row]["hand"].append(timed(hand, n))
             out[row]["redis"].append(timed(red, n))
-    for cursor in ("*",):
-        keys = list(client.scan_iter(match=f"*{store.keys.prefix}*", count=1000))
-        for k in range(0, len(keys), 1000):
-            client.unlink(*keys[k:k + 1000])
-        del cursor
+    keys = list(client.scan_iter(match=f"*{store.keys.prefix}*", count=1000))
+    for k in range(0, len(keys), 1000):
+        client.unlink(*keys[k:k + 1000])
     return {"hiredis": redis.utils.HIREDIS_AVAILABLE, "calls": {r: p[2] for r, p in pairs.items()},
             "rows": out}
 
