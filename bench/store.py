@@ -63,7 +63,7 @@ OWNER = "bench-worker-1"
 
 class CountingRedis(redis.Redis):
     """A client that counts the commands it sends: each is one round trip here (the
-    store's own connection, celery_leases/protocol/direct.py, counts its calls itself)."""
+    store's own connection, celery_leases/protocol/transport/direct.py, counts its calls itself)."""
 
     round_trips = 0
 

@@ -1,4 +1,4 @@
-"""Operator reads and repairs (the CLI's ``celery leases ...``), over a LeaseStore.
+"""Operator reads and repairs (the CLI's ``celery leases ...``), over a store's core (core.py).
 
 Nothing here is on a task's hot path: listings walk the database with SCAN,
 statistics sum every shard. The methods of the store that docs/operations.md
@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
+from ..exceptions import CorruptRecord, LeaseError, LeaseUnavailable
 from .calls import ms
 from .codes import TERMINAL_STATES, Code
+from .core import StoreCore
 from .errors import lease_error
-from ..exceptions import CorruptRecord, LeaseError, LeaseUnavailable
 from .keys import Keys, ShardKeys
 from .records import INT_FIELDS, LeaseRecord, Parked, raise_if_corrupt
 from .scripts import scripts
-
-if TYPE_CHECKING:
-    from .store import LeaseStore
 
 __all__ = ["stats", "other_layout", "records", "scan", "scan_all", "purge", "parked", "parked_entry", "unpark",
            "reset_record", "expire_now", "glob_escape"]
@@ -29,18 +27,18 @@ __all__ = ["stats", "other_layout", "records", "scan", "scan_all", "purge", "par
 logger = logging.getLogger("celery_leases.store")
 
 
-def stats(store: "LeaseStore") -> dict[str, int]:
+def stats(core: StoreCore) -> dict[str, int]:
     """Lifetime counters of this prefix plus the number of leases in the index (summed over shards)."""
-    shards = store.keys.all_shards()
+    shards = core.keys.all_shards()
 
     def read() -> list:
-        pipe = store.client.pipeline(transaction=False)
+        pipe = core.client.pipeline(transaction=False)
         for shard in shards:
             pipe.hgetall(shard.stats)
             pipe.zcard(shard.deadlines)
         return pipe.execute()
 
-    rows = store.calls.read(read, f"reading {shards[0].stats}" + (
+    rows = core.calls.read(read, f"reading {shards[0].stats}" + (
         f" and {len(shards) - 1} more shards" if len(shards) > 1 else ""))
     out: dict[str, int] = {}
     indexed = 0
@@ -57,7 +55,7 @@ def stats(store: "LeaseStore") -> dict[str, int]:
     return out
 
 
-def other_layout(store: "LeaseStore") -> tuple[int, int] | None:
+def other_layout(core: StoreCore) -> tuple[int, int] | None:
     """(shard count, leases indexed) of another layout of this prefix still holding live leases.
 
     Changing leases_shards moves every task to other key names: leases
@@ -67,32 +65,32 @@ def other_layout(store: "LeaseStore") -> tuple[int, int] | None:
     one-shard layout; it records this store's count once no other layout
     holds live leases. None when nothing is stranded.
     """
-    marker = store.calls.read(lambda: store.client.get(store.keys.layout), f"reading {store.keys.layout}")
+    marker = core.calls.read(lambda: core.client.get(core.keys.layout), f"reading {core.keys.layout}")
     previous = int(marker) if marker and marker.isdigit() else None
-    candidates = {previous} if previous and previous != store.shards else set()
-    if store.shards > 1:
+    candidates = {previous} if previous and previous != core.shards else set()
+    if core.shards > 1:
         candidates.add(1)
     for count in sorted(c for c in candidates if c):
-        keys = Keys(store.keys.prefix, count).all_shards()
+        keys = Keys(core.keys.prefix, count).all_shards()
 
         def read(keys: list[ShardKeys] = keys) -> list:
-            pipe = store.client.pipeline(transaction=False)
+            pipe = core.client.pipeline(transaction=False)
             for shard in keys:
                 pipe.zcard(shard.deadlines)
             return pipe.execute()
 
-        indexed = sum(int(n) for n in store.calls.read(read, f"reading the deadline indexes of {count} shards"))
+        indexed = sum(int(n) for n in core.calls.read(read, f"reading the deadline indexes of {count} shards"))
         if indexed:
             return count, indexed
-    if previous != store.shards:
-        if store.shards > 1:
-            store.calls.read(lambda: store.client.set(store.keys.layout, store.shards), f"setting {store.keys.layout}")
+    if previous != core.shards:
+        if core.shards > 1:
+            core.calls.read(lambda: core.client.set(core.keys.layout, core.shards), f"setting {core.keys.layout}")
         elif previous is not None:
-            store.calls.read(lambda: store.client.delete(store.keys.layout), f"deleting {store.keys.layout}")
+            core.calls.read(lambda: core.client.delete(core.keys.layout), f"deleting {core.keys.layout}")
     return None
 
 
-def records(store: "LeaseStore", task_ids: Iterable[str], *, skip_corrupt: bool = False) -> list[LeaseRecord]:
+def records(core: StoreCore, task_ids: Iterable[str], *, skip_corrupt: bool = False) -> list[LeaseRecord]:
     """The records of ``task_ids`` in that order, without their stored messages.
 
     Missing records are left out; one pipelined round trip for all of them.
@@ -102,18 +100,18 @@ def records(store: "LeaseStore", task_ids: Iterable[str], *, skip_corrupt: bool 
     task_ids = list(task_ids)
     if not task_ids:
         return []
-    keys = [store.keys.record(t) for t in task_ids]
+    keys = [core.keys.record(t) for t in task_ids]
     fields = ("state", "owner", "name", "started", "isolate", *INT_FIELDS, *(f"h:{n}" for n in range(16)))
 
     def read() -> list:
-        pipe = store.client.pipeline(transaction=False)
+        pipe = core.client.pipeline(transaction=False)
         for key, task_id in zip(keys, task_ids):
             pipe.hmget(key, fields)
-            pipe.exists(store.keys.message(task_id))
-            pipe.zscore(store.keys.shard_for(task_id).deadlines, task_id)
+            pipe.exists(core.keys.message(task_id))
+            pipe.zscore(core.keys.shard_for(task_id).deadlines, task_id)
         return pipe.execute(raise_on_error=False)
 
-    rows = store.calls.read(read, f"reading {len(keys)} lease records")
+    rows = core.calls.read(read, f"reading {len(keys)} lease records")
     out = []
     for i, (key, task_id) in enumerate(zip(keys, task_ids)):
         values, has_message, deadline = rows[3 * i:3 * i + 3]
@@ -121,7 +119,7 @@ def records(store: "LeaseStore", task_ids: Iterable[str], *, skip_corrupt: bool 
             for value in (values, has_message, deadline):
                 if isinstance(value, Exception):  # e.g. WRONGTYPE: not a hash
                     error = lease_error(value, f"reading lease record {key} of task {task_id}",
-                                        store.description)
+                                        core.description)
                     raise error from value
             if values[0] is None:  # gone (expired or purged) since it was listed
                 continue
@@ -134,7 +132,7 @@ def records(store: "LeaseStore", task_ids: Iterable[str], *, skip_corrupt: bool 
     return out
 
 
-def scan(store: "LeaseStore", state: str | None = None, count: int = 500,
+def scan(core: StoreCore, state: str | None = None, count: int = 500,
          limit: int | None = None) -> list[LeaseRecord]:
     """Lease records of this prefix (only those in ``state`` if given), in no particular order.
 
@@ -145,8 +143,8 @@ def scan(store: "LeaseStore", state: str | None = None, count: int = 500,
     logged and skipped. Stops after ``limit`` matching records.
     """
     out: list[LeaseRecord] = []
-    for batch in _scan_record_keys(store, count):
-        for record in records(store, [t for _, t in batch], skip_corrupt=True):
+    for batch in _scan_record_keys(core, count):
+        for record in records(core, [t for _, t in batch], skip_corrupt=True):
             if state is not None and record.state != state:
                 continue
             out.append(record)
@@ -155,7 +153,7 @@ def scan(store: "LeaseStore", state: str | None = None, count: int = 500,
     return out
 
 
-def scan_all(store: "LeaseStore", count: int = 500) -> tuple[list[LeaseRecord], list[tuple[str, str]]]:
+def scan_all(core: StoreCore, count: int = 500) -> tuple[list[LeaseRecord], list[tuple[str, str]]]:
     """Every readable record, and (key, problem) of every corrupt one: one SCAN of the prefix.
 
     For the doctor, which must report corrupt records rather than skip them
@@ -163,15 +161,15 @@ def scan_all(store: "LeaseStore", count: int = 500) -> tuple[list[LeaseRecord], 
     """
     good: list[LeaseRecord] = []
     corrupt: list[tuple[str, str]] = []
-    for batch in _scan_record_keys(store, count):
-        read = records(store, [t for _, t in batch], skip_corrupt=True)
+    for batch in _scan_record_keys(core, count):
+        read = records(core, [t for _, t in batch], skip_corrupt=True)
         good += read
         seen = {r.task_id for r in read}
         for key, task_id in batch:
             if task_id in seen:
                 continue
             try:  # left out: corrupt, or gone since the scan listed it
-                store.get(task_id)
+                core.get(task_id)
             except LeaseUnavailable:
                 raise
             except LeaseError as exc:  # CorruptRecord, or a reply this protocol did not write
@@ -179,7 +177,7 @@ def scan_all(store: "LeaseStore", count: int = 500) -> tuple[list[LeaseRecord], 
     return good, corrupt
 
 
-def purge(store: "LeaseStore", older_than: float = 0.0, *, dry_run: bool = False, count: int = 500) -> int:
+def purge(core: StoreCore, older_than: float = 0.0, *, dry_run: bool = False, count: int = 500) -> int:
     """Delete finished records (succeeded, failed, revoked, dead) at least ``older_than`` seconds old.
 
     Never deletes an active or recovering record (purge.lua checks and
@@ -189,16 +187,16 @@ def purge(store: "LeaseStore", older_than: float = 0.0, *, dry_run: bool = False
     its task: purge only what is older than any duplicate can be.
     """
     if dry_run:
-        cutoff = store.server_time_ms() - ms(older_than)
-        return sum(1 for r in scan(store, count=count)
+        cutoff = core.server_time_ms() - ms(older_than)
+        return sum(1 for r in scan(core, count=count)
                    if r.state in TERMINAL_STATES and r.finished_at <= cutoff)
     purged = 0
-    for batch in _scan_record_keys(store, count):
+    for batch in _scan_record_keys(core, count):
         calls = []
-        for index, task_ids in store.keys.by_shard(t for _, t in batch).items():
-            calls.append(([store.keys.shard(index).deadlines, *map(store.keys.record, task_ids)],
+        for index, task_ids in core.keys.by_shard(t for _, t in batch).items():
+            calls.append(([core.keys.shard(index).deadlines, *map(core.keys.record, task_ids)],
                           [ms(older_than), *task_ids]))
-        for reply in store.calls.run_many(scripts.purge, calls, f"{len(batch)} records"):
+        for reply in core.calls.run_many(scripts.purge, calls, f"{len(batch)} records"):
             if reply[0] == Code.CORRUPT:
                 logger.error("purge: %s field %s %s; its records are left alone",
                              *(v.decode() for v in reply[1:4]))
@@ -206,38 +204,38 @@ def purge(store: "LeaseStore", older_than: float = 0.0, *, dry_run: bool = False
             purged += int(reply[1])
             for task_id, what in zip(reply[2::2], reply[3::2]):
                 logger.warning("purge: left corrupt record %s alone: field %s",
-                               store.keys.record(task_id.decode()), what.decode())
+                               core.keys.record(task_id.decode()), what.decode())
     return purged
 
 
-def parked(store: "LeaseStore", limit: int = 100) -> list[Parked]:
+def parked(core: StoreCore, limit: int = 100) -> list[Parked]:
     """Parked deliveries, oldest first (without their bodies: ``unpark`` returns those)."""
-    keys = store.keys
+    keys = core.keys
 
     def read() -> list:
-        ids: list[Any] = list(store.client.zrange(keys.parked, 0, int(limit) - 1))
+        ids: list[Any] = list(core.client.zrange(keys.parked, 0, int(limit) - 1))
         if not ids:
             return []
-        return list(zip(ids, store.client.hmget(keys.parked_meta, ids)))
+        return list(zip(ids, core.client.hmget(keys.parked_meta, ids)))
 
     out = []
-    for task_id, meta in store.calls.read(read, f"reading {keys.parked}"):
+    for task_id, meta in core.calls.read(read, f"reading {keys.parked}"):
         if meta is not None:  # dropped between the two reads
             out.append(Parked.parse(task_id.decode("utf-8", "surrogateescape"), meta))
     return out
 
 
-def parked_entry(store: "LeaseStore", task_id: str) -> Parked | None:
+def parked_entry(core: StoreCore, task_id: str) -> Parked | None:
     """``task_id``'s parked delivery without its body, or None (nothing is removed)."""
-    meta = store.calls.read(lambda: store.client.hget(store.keys.parked_meta, task_id),
-                      f"reading {store.keys.parked_meta}")
+    meta = core.calls.read(lambda: core.client.hget(core.keys.parked_meta, task_id),
+                      f"reading {core.keys.parked_meta}")
     return None if meta is None else Parked.parse(task_id, meta)
 
 
-def unpark(store: "LeaseStore", task_id: str) -> Parked | None:
+def unpark(core: StoreCore, task_id: str) -> Parked | None:
     """Remove ``task_id``'s parked delivery and return it with its body and envelope (None: none)."""
-    keys = store.keys
-    reply = store.calls.run(scripts.unpark, (keys.parked, keys.parked_meta, keys.parked_body),
+    keys = core.keys
+    reply = core.calls.run(scripts.unpark, (keys.parked, keys.parked_meta, keys.parked_body),
                       (task_id,), f"unparking task {task_id}")
     raise_if_corrupt(reply, f"unparking task {task_id}")
     if Code(reply[0]) is Code.MISSING:
@@ -245,7 +243,7 @@ def unpark(store: "LeaseStore", task_id: str) -> Parked | None:
     return Parked.parse(task_id, reply[1], reply[2])
 
 
-def reset_record(store: "LeaseStore", task_id: str) -> bool:
+def reset_record(core: StoreCore, task_id: str) -> bool:
     """Delete ``task_id``'s lease record, stored message and deadline entry (an operator's choice).
 
     For a corrupt record that keeps a parked delivery from running again
@@ -253,20 +251,20 @@ def reset_record(store: "LeaseStore", task_id: str) -> bool:
     fresh record. Nothing is read, so a corrupt record of any type goes.
     True when there was a record.
     """
-    key, shard = store.keys.record(task_id), store.keys.shard_for(task_id)
+    key, shard = core.keys.record(task_id), core.keys.shard_for(task_id)
 
     def delete() -> list:
         # One slot (the task's shard tag); redis-py's cluster pipeline has no MULTI.
-        pipe = store.client.pipeline(transaction=not hasattr(store.client, "get_node_from_key"))
+        pipe = core.client.pipeline(transaction=not hasattr(core.client, "get_node_from_key"))
         pipe.delete(key)
-        pipe.delete(store.keys.message(task_id))
+        pipe.delete(core.keys.message(task_id))
         pipe.zrem(shard.deadlines, task_id)
         return pipe.execute()
 
-    return bool(store.calls.read(delete, f"deleting {key} of task {task_id}")[0])
+    return bool(core.calls.read(delete, f"deleting {key} of task {task_id}")[0])
 
 
-def expire_now(store: "LeaseStore", task_id: str) -> bool:
+def expire_now(core: StoreCore, task_id: str) -> bool:
     """Make ``task_id``'s lease due now, as if its ttl had run out (a test helper).
 
     Scores the lease at the server's now in the deadline index, and only a
@@ -277,61 +275,61 @@ def expire_now(store: "LeaseStore", task_id: str) -> bool:
     heartbeat: an owner that still renews pushes the deadline back at its
     next tick (``celery_leases.testing.make_stale`` expires and claims).
     """
-    deadlines = store.keys.shard_for(task_id).deadlines
-    now = store.server_time_ms(deadlines)
+    deadlines = core.keys.shard_for(task_id).deadlines
+    now = core.server_time_ms(deadlines)
 
     def rescore() -> list:
-        pipe = store.client.pipeline(transaction=True)
+        pipe = core.client.pipeline(transaction=True)
         pipe.zadd(deadlines, {task_id: now}, xx=True)
         pipe.zscore(deadlines, task_id)
         return pipe.execute()
 
-    _, score = store.calls.read(rescore, f"rescoring {task_id} in {deadlines}")
+    _, score = core.calls.read(rescore, f"rescoring {task_id} in {deadlines}")
     return score is not None
 
 
-def _scan_record_keys(store: "LeaseStore", count: int) -> Iterable[list[tuple[str, str]]]:
+def _scan_record_keys(core: StoreCore, count: int) -> Iterable[list[tuple[str, str]]]:
     """Batches of (record key, task id) found by SCAN MATCH on the record prefix.
 
     One pattern covers every shard; on a cluster each master is scanned.
     Keys of another prefix or shard count that the pattern also matches
     are left out.
     """
-    if store.shards == 1:
-        match = glob_escape(store.keys.record_prefix()) + "*"
+    if core.shards == 1:
+        match = glob_escape(core.keys.record_prefix()) + "*"
     else:
-        match = glob_escape("{" + store.keys.prefix + ":") + "[0-9]*}:lease:*"
-    nodes = store.client.get_primaries() if hasattr(store.client, "get_primaries") else [None]
+        match = glob_escape("{" + core.keys.prefix + ":") + "[0-9]*}:lease:*"
+    nodes = core.client.get_primaries() if hasattr(core.client, "get_primaries") else [None]
     for node in nodes:
         target = {} if node is None else {"target_nodes": node}
         cursor = 0
         while True:
-            cursor, keys = store.calls.read(
-                lambda: _scan_one(store, cursor, match, count, target), f"scanning {match}")
-            batch = [parsed for parsed in map(partial(_parse_record_key, store), keys) if parsed]
+            cursor, keys = core.calls.read(
+                lambda: _scan_one(core, cursor, match, count, target), f"scanning {match}")
+            batch = [parsed for parsed in map(partial(_parse_record_key, core), keys) if parsed]
             if batch:
                 yield batch
             if int(cursor) == 0:
                 break
 
 
-def _scan_one(store: "LeaseStore", cursor: int, match: str, count: int, target: dict) -> tuple[int, list]:
-    cursor_out, keys = store.client.scan(cursor, match=match, count=count, **target)
+def _scan_one(core: StoreCore, cursor: int, match: str, count: int, target: dict) -> tuple[int, list]:
+    cursor_out, keys = core.client.scan(cursor, match=match, count=count, **target)
     if isinstance(cursor_out, dict):  # RedisCluster answers per node
         (cursor_out,) = cursor_out.values()
     return cursor_out, keys
 
 
-def _parse_record_key(store: "LeaseStore", key: Any) -> tuple[str, str] | None:
+def _parse_record_key(core: StoreCore, key: Any) -> tuple[str, str] | None:
     """(key, task id) when ``key`` is a record key of this store's layout, else None."""
     key = key.decode() if isinstance(key, bytes) else key
-    if store.shards == 1:
-        return key, key[len(store.keys.record_prefix()):]
+    if core.shards == 1:
+        return key, key[len(core.keys.record_prefix()):]
     tag, sep, task_id = key.partition("}:lease:")
     if not sep:
         return None
-    index = tag[len(store.keys.prefix) + 2:]
-    if not index.isdigit() or int(index) >= store.shards or store.keys.shard_of(task_id) != int(index):
+    index = tag[len(core.keys.prefix) + 2:]
+    if not index.isdigit() or int(index) >= core.shards or core.keys.shard_of(task_id) != int(index):
         return None
     return key, task_id
 

@@ -1,7 +1,7 @@
 """The one script runner: EVALSHA, its NOSCRIPT fallback and its error map, in one place.
 
 Every script call of the package goes through here: a single call (on the
-process's own connection when that is safe, direct.py), many calls pipelined
+process's own connection when that is safe, transport/direct.py), many calls pipelined
 into one round trip per server (one per master on a cluster), and a command
 packed for a caller that writes its own socket (the worker's acquirer), whose
 reply comes back here. A server that lost its script cache (restart, SCRIPT
@@ -22,9 +22,9 @@ from redis.exceptions import NoScriptError, ResponseError
 from ..exceptions import LeaseError, LeaseLost
 from .codes import Code
 from .connection import describe
-from .direct import BUSY, DirectCaller
-from .direct import supported as direct_supported
 from .errors import lease_error
+from .transport.direct import BUSY, DirectCaller
+from .transport.direct import supported as direct_supported
 
 if TYPE_CHECKING:
     from .scripts import Script
@@ -71,7 +71,7 @@ class ScriptCalls:
         self.client = client
         self.description = description or describe(client)
         self.cluster = hasattr(client, "get_node_from_key")
-        #: Single calls skip redis-py's per-call work where that is safe (direct.py).
+        #: Single calls skip redis-py's per-call work where that is safe (transport/direct.py).
         self.direct = DirectCaller(client) if direct_supported(client) else None
 
     def error(self, script: "Script", exc: BaseException, what: str) -> BaseException:
@@ -95,7 +95,7 @@ class ScriptCalls:
                     return reload(self.client, script, keys, args)
                 if reply is not BUSY:
                     return reply
-            return script(self.client, keys, args)
+            return call_script(self.client, script, keys, args)
         except Exception as exc:
             self._raise(script, exc, what)
 

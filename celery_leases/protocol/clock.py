@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..exceptions import LeaseError, LeaseUnavailable
 
 if TYPE_CHECKING:
-    from .store import LeaseStore
+    from .core import StoreCore
 
 __all__ = ["ServerClock", "server_clock", "MARGIN", "REFRESH", "DRIFT"]
 
@@ -39,7 +39,7 @@ MARGIN = 0.25
 class ServerClock:
     """Bounds on the store server's clock (ms), from one TIME reading and ``clock``."""
 
-    def __init__(self, store: "LeaseStore", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: "StoreCore", clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.clock = store, clock
         #: (server ms, local time before the call, local time after it), or None.
         self.reading: tuple[int, float, float] | None = None
@@ -107,7 +107,7 @@ class ServerClock:
 _clocks: "weakref.WeakKeyDictionary[Any, ServerClock]" = weakref.WeakKeyDictionary()
 
 
-def server_clock(store: "LeaseStore") -> ServerClock:
+def server_clock(store: "StoreCore") -> ServerClock:
     """This store's ServerClock (the store objects are per process already: runtime.py)."""
     found = _clocks.get(store)
     if found is None:

@@ -1,6 +1,6 @@
 """The one map from redis-py errors to LeaseErrors, for every path that talks to Redis.
 
-The store (scripts, pipelines, reads), the direct path (direct.py), the
+The store (scripts, pipelines, reads), the direct path and the publish line (transport/), the
 worker's acquirer and the fenced writes all hand their exceptions to
 ``lease_error``, so an error means the same thing wherever it is met:
 
@@ -18,9 +18,9 @@ worker's acquirer and the fenced writes all hand their exceptions to
   unchanged, for the caller to raise as it is.
 
 Error replies are recognised by class where redis-py gives one and by their
-first word otherwise: wire.py (the direct path and the acquirer) only knows
-the few classes it needs, and a script's error reply carries the text of the
-command that failed inside it (``WRONGTYPE ... script: ...``).
+first word otherwise: transport/resp.py (the direct path, the publish line and
+the acquirer) only knows the few classes it needs, and a script's error reply
+carries the text of the command that failed inside it (``WRONGTYPE ... script: ...``).
 
 Knows nothing of Celery.
 """

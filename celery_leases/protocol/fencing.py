@@ -24,6 +24,7 @@ from typing import Any, Mapping, Union
 
 import redis
 
+from .calls import call_script
 from .codes import Code
 from .connection import describe
 from .errors import lease_error
@@ -84,7 +85,7 @@ def fenced_set(client: redis.Redis, keys: Union[Keys, str], resource: str, token
     """
     keys, token, name = _keys(keys), _token(token), _field(field)
     key = keys.fence(resource)
-    reply = _call(client, key, lambda: scripts.fenced_write(client, (key,), (token, name, value)))
+    reply = _call(client, key, lambda: call_script(client, scripts.fenced_write, (key,), (token, name, value)))
     if reply[0] == Code.CORRUPT:
         raise CorruptRecord(f"fence hash {key}: field {reply[2].decode()} {reply[3].decode()}; "
                             f"nothing was written", key, reply[2].decode())

@@ -6,38 +6,33 @@ callable to put undelivered ones back. A record is created in state
 ``queued`` before its message is published (enqueue.lua); the acquire at
 receipt makes it ``active`` and takes it out of the shard's queued index.
 A task nobody acquired within ``delivery_timeout`` seconds after it became due
-is claimed (claim_undelivered.lua): re-published with generation + 1, or,
-past its ``expires``, revoked. A copy the broker holds for a ``recovering``
-record (a confirmed recovery re-publish, a retry hand-over) waits in the same
-index and is claimed the same way. A task that stays undelivered waits twice as
-long before each further copy, up to ``backoff_cap`` timeouts.
+is claimed and re-published (undelivered.py, the recovery side). An enqueue may
+be written before the message is published and its reply read after, on this
+process's publish line (transport/line.py).
 """
 from __future__ import annotations
 
-import json
-import logging
-import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from ..exceptions import CorruptRecord, LeaseUnavailable
+from ..exceptions import CorruptRecord
+from . import undelivered
 from .calls import compact_json
 from .codes import Code
-from .direct import close_connection, open_connection
-from .direct import supported as direct_supported
+from .core import StoreCore
 from .errors import lease_error
 from .records import RecoveryReport
 from .scripts import scripts
-from .store import LeaseStore
-from .wire import Incomplete, pack, parse
+from .transport.direct import supported as direct_supported
+from .transport.line import RECORDED, Line
+from .transport.resp import pack
+from .undelivered import Undelivered
 
 __all__ = ["QueuedTask", "Undelivered", "QueuedTasks", "PendingEnqueue"]
 
-logger = logging.getLogger("celery_leases.recovery")
 
 @dataclass(frozen=True)
 class QueuedTask:
@@ -58,22 +53,9 @@ class QueuedTask:
     publish: str = ""
 
 
-@dataclass
-class Undelivered:
-    """A queued task claimed by a recovery pass (claim_undelivered.lua)."""
-
-    task_id: str
-    #: RECOVERED: re-publish with ``generation``; FINISHED: expired, now revoked; CORRUPT.
-    code: Code
-    generation: int
-    name: str
-    body: bytes
-    envelope: dict
-    error: Exception | None = None
-
 
 class QueuedTasks:
-    """The records of one LeaseStore (its prefix and shards) waiting for a delivery: queued at
+    """The records of one store (its prefix and shards) waiting for a delivery: queued at
     publish, or recovering (a confirmed re-publish, a retry hand-over)."""
 
     #: The longest wait between two re-publishes of a task that stays undelivered, as a
@@ -81,7 +63,7 @@ class QueuedTasks:
     #: timeout * 2^(n-1), at most this (claim_undelivered.lua; docs/design.md, publish tracking).
     backoff_cap: int = 8
 
-    def __init__(self, store: LeaseStore, delivery_timeout: float) -> None:
+    def __init__(self, store: StoreCore, delivery_timeout: float) -> None:
         if not delivery_timeout or delivery_timeout <= 0:
             raise ValueError(f"leases_delivery_timeout must be a positive number of seconds "
                              f"to track publishes, got {delivery_timeout!r}")
@@ -96,8 +78,8 @@ class QueuedTasks:
         self._packed_sha = ""
         self._packed_head = b""
         self._packed_shards: dict[str, tuple[bytes, bytes, bytes]] = {}
-        #: This process's connection for enqueues answered after the publish (_Line).
-        self._line = _Line(store.client) if direct_supported(store.client) else None
+        #: This process's connection for enqueues answered after the publish (transport/line.py).
+        self._line = Line(store.client) if direct_supported(store.client) else None
 
     # -- publish side ---------------------------------------------------------
 
@@ -189,7 +171,7 @@ class QueuedTasks:
         return PendingEnqueue(self, task, conn, release=release)
 
     def _enqueue_command(self, task: QueuedTask) -> bytes:
-        """``enqueue_call(task)`` packed as one EVALSHA (wire.py's format), built straight
+        """``enqueue_call(task)`` packed as one EVALSHA (transport/resp.py's format), built straight
         from the task: a publish pays this on every record, so nothing is built twice."""
         sha = scripts.enqueue.sha
         if self._packed_sha != sha:  # the call's fixed part: EVALSHA, the script, 4 keys
@@ -252,97 +234,23 @@ class QueuedTasks:
                                 f"written", key, fld)
         return Code(reply[0])
 
-    # -- recovery side ----------------------------------------------------------
+    # -- recovery side (undelivered.py) ------------------------------------------
 
     def overdue(self, limit: int = 1000) -> dict[int, list[str]]:
         """Up to ``limit`` ids per shard whose wait for a delivery is over (server clock)."""
-        keys = self.store.keys
-        shards = list(range(self.store.shards))
-        calls = [((keys.shard(i).queued,), (int(limit),)) for i in shards]
-        out: dict[int, list[str]] = {}
-        for i, rows in zip(shards, self.store.calls.run_many(scripts.expired, calls, "listing undelivered tasks")):
-            if rows and rows[0] == Code.CORRUPT:
-                logger.error("listing undelivered tasks: %s field %s %s", *(v.decode() for v in rows[1:4]))
-                rows = [0]
-            out[i] = [t.decode() for t in rows[1:]]
-        return out
+        return undelivered.overdue(self.store, limit)
 
     def claim(self, ids: Iterable[str]) -> list[Undelivered]:
         """Claim these overdue ids (claim_undelivered.lua), one call per shard, pipelined."""
-        store, keys = self.store, self.store.keys
-        calls = []
-        for index, task_ids in keys.by_shard(ids).items():
-            shard = keys.shard(index)
-            call_keys = [shard.queued, shard.stats]
-            for t in task_ids:
-                call_keys += [keys.record(t), keys.message(t)]
-            calls.append((call_keys, [self._timeout_ms, int(round(store.retention * 1000)),
-                                      int(self.backoff_cap), *task_ids]))
-        if not calls:
-            return []
-        out = []
-        for rows in store.calls.run_many(scripts.claim_undelivered, calls, "claiming undelivered tasks"):
-            if rows and not isinstance(rows[0], list):  # CORRUPT: the shard's queued index
-                logger.error("recovery: %s field %s %s; its queued tasks cannot be claimed",
-                             *(v.decode() for v in rows[1:4]))
-                continue
-            for task_id, code, gen, name, body, envelope, detail in rows:
-                task_id, code = task_id.decode(), Code(code)
-                error = None
-                env: Any = {}
-                if code is Code.CORRUPT:
-                    error = CorruptRecord(f"queued task {task_id}: {detail.decode('utf-8', 'replace')}")
-                else:
-                    try:
-                        env = json.loads(envelope) if envelope else {}
-                    except ValueError:
-                        error = CorruptRecord(f"message {keys.message(task_id)} of queued task {task_id} "
-                                              f"holds an envelope that is not JSON",
-                                              keys.message(task_id), "envelope")
-                out.append(Undelivered(task_id, code, int(gen), name.decode("utf-8", "replace"), body,
-                                       env if isinstance(env, dict) else {}, error))
-        return out
+        return undelivered.claim(self.store, ids, self._timeout_ms, self.backoff_cap)
 
     def recover(self, publish: Callable[[Undelivered], None],
                 on_expired: Callable[[Undelivered], None] | None = None,
                 batch: int | None = None) -> RecoveryReport:
-        """One pass over the overdue queued tasks: re-publish each, or revoke the expired.
-
-        Costs O(overdue). A publish that raises is reported; the task is due
-        again after its next wait (its generation already grew, so no copy of
-        the failed attempt can run).
-        """
-        report = RecoveryReport(tracked=True)
-        batch = batch or self.store.recover_batch
-        pending = True
-        while pending:
-            found = self.overdue(batch)
-            ids = [t for shard_ids in found.values() for t in shard_ids]
-            pending = any(len(shard_ids) >= batch for shard_ids in found.values())
-            if not ids:
-                break
-            claimed = self.claim(ids)
-            for item in claimed:
-                try:
-                    if item.error is not None:
-                        report.corrupt += 1
-                        logger.error("recovery: %s; it is no longer tracked", item.error)
-                    elif item.code is Code.FINISHED:
-                        report.undelivered_expired += 1
-                        if on_expired is not None:
-                            on_expired(item)
-                    else:
-                        publish(item)
-                        report.undelivered += 1
-                except Exception as exc:  # noqa: BLE001 - reported; due again after the timeout
-                    report.publish_failed += 1
-                    report.errors.append((item.task_id, exc))
-                    logger.error("re-publishing undelivered task %s (generation %d) failed; tried "
-                                 "again after its next wait (%ss or more): %r", item.task_id,
-                                 item.generation, self.delivery_timeout, exc, exc_info=True)
-            if not claimed:
-                break
-        return report
+        """One pass over the overdue queued tasks: re-publish each, or revoke the expired
+        (undelivered.recover)."""
+        return undelivered.recover(self.store, publish, on_expired, batch, lister=self.overdue,
+                                   claimer=self.claim, delivery_timeout=self.delivery_timeout)
 
     def count(self) -> int:
         """Tasks in the queued indexes (recorded at publish, not acquired yet)."""
@@ -400,119 +308,3 @@ class PendingEnqueue:
             return self.tracked._result(self.task, raw)
         reply = store.calls.reply(scripts.enqueue, *self.tracked.enqueue_call(self.task), raw, what)
         return self.tracked._result(self.task, reply)
-
-
-#: enqueue's reply for a task it recorded, as ``result()`` returns it, and as it comes on the
-#: wire (the same in RESP2 and RESP3): the line recognises it without parsing.
-RECORDED = (Code.OK, "queued")
-_RECORDED = b"*2\r\n:%d\r\n$6\r\nqueued\r\n" % int(Code.OK)
-_RECORDED_LEN = len(_RECORDED)
-
-
-class _Line:
-    """This process's own connection for enqueues whose replies are read after the publish.
-
-    Taken from the store's pool once and kept, so a publish pays neither the pool's
-    lock and bookkeeping nor its poll of the socket; commands are packed and replies
-    parsed with wire.py. The same rules as direct.py: one process (a forked child opens
-    its own, never touching the parent's socket), one holder at a time from ``take`` to
-    ``give_back`` (a second thread uses the pool meanwhile), any error closes it. The
-    replies are read in the order the commands were written; a holder that gives it
-    back with replies still due closes it, so a reply is never read by the wrong caller.
-    """
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self._reset()
-
-    def _reset(self) -> None:
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
-        self.conn: Any = None
-        self.buffer = bytearray()
-        #: Replies written for and not read yet, on the current socket.
-        self.due = 0
-        #: Counts the sockets opened, so a reply due on a closed one is never read from the next.
-        self.epoch = 0
-        #: True when the socket was opened before the current holder took the line.
-        self.reused = False
-
-    def take(self) -> bool:
-        if self.pid != os.getpid():
-            self._reset()  # a forked child: the parent's socket and lock are not ours
-        if not self.lock.acquire(blocking=False):
-            return False
-        self.reused = self.conn is not None
-        return True
-
-    def give_back(self) -> None:
-        if self.due:
-            self.disconnect()
-        self.lock.release()
-
-    def write(self, command: bytes) -> None:
-        while True:
-            if self.conn is None or self.conn._sock is None:
-                if self.conn is not None:
-                    self.disconnect()  # closed under us (the client's pool was reset)
-                self.conn = open_connection(self.client)
-                self.epoch += 1
-                self.reused = False
-            try:
-                self.conn._sock.sendall(command)
-            except (OSError, RedisConnectionError):
-                stale = self.reused
-                self.disconnect()
-                if not stale:
-                    raise
-                # Held since an earlier publish and closed by the server meanwhile (idle
-                # timeout, restart): written once more on a new connection, still before the
-                # message. The replies due on the old one are lost; their readers know (epoch).
-                self.reused = False
-                continue
-            except BaseException:
-                self.disconnect()
-                raise
-            self.due += 1
-            return
-
-    def read(self, epoch: int) -> Any:
-        """The next reply due on socket ``epoch``; an error reply is raised as redis-py's exception."""
-        if self.conn is None or epoch != self.epoch or self.due <= 0:
-            raise RedisConnectionError("the lease store connection closed before the reply was read")
-        buffer = self.buffer
-        try:
-            while True:
-                if buffer[:_RECORDED_LEN] == _RECORDED:  # the usual reply, without parsing it
-                    del buffer[:_RECORDED_LEN]
-                    self.due -= 1
-                    return RECORDED
-                if buffer:
-                    try:
-                        reply, end = parse(buffer)
-                    except Incomplete:
-                        pass
-                    else:
-                        del buffer[:end]
-                        self.due -= 1
-                        if isinstance(reply, ResponseError):
-                            if isinstance(lease_error(reply, "EVALSHA"), LeaseUnavailable):
-                                self.disconnect()  # READONLY, LOADING: a reconnect may reach the master
-                            raise reply
-                        return reply
-                data = self.conn._sock.recv(65536)
-                if not data:
-                    raise RedisConnectionError("the lease store closed the connection")
-                buffer += data
-        except ResponseError:
-            raise
-        except BaseException:
-            self.disconnect()
-            raise
-
-    def disconnect(self) -> None:
-        conn, self.conn = self.conn, None
-        self.buffer = bytearray()
-        self.due = 0
-        if conn is not None:
-            close_connection(self.client, conn)

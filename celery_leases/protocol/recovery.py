@@ -11,40 +11,38 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..exceptions import CorruptRecord, LeaseError
 from .calls import ms
 from .codes import Code
+from .core import StoreCore
 from .records import Claim, RecoveryReport
 from .scripts import scripts
-
-if TYPE_CHECKING:
-    from .store import LeaseStore
 
 __all__ = ["claim_expired", "mark_published", "recover"]
 
 logger = logging.getLogger("celery_leases.store")
 
 
-def claim_expired(store: "LeaseStore", limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
+def claim_expired(core: StoreCore, limit: int | None = None, ids: Sequence[str] | None = None) -> list[Claim]:
     """Claim up to ``limit`` leases whose deadline passed (see claim_expired.lua).
 
     ``ids`` (of any shards) are claimed with one script call per shard.
     """
     if ids is None:
-        ids = store.expired(limit or store.recover_batch)
+        ids = core.expired(limit or core.recover_batch)
     if not ids:
         return []
     calls = []
-    for index, task_ids in store.keys.by_shard(ids).items():
-        shard = store.keys.shard(index)
+    for index, task_ids in core.keys.by_shard(ids).items():
+        shard = core.keys.shard(index)
         keys = [shard.deadlines, shard.stats]
         for t in task_ids:
-            keys += [store.keys.record(t), store.keys.message(t)]
-        calls.append((keys, [store.max_recoveries, ms(store.publish_grace), *task_ids]))
+            keys += [core.keys.record(t), core.keys.message(t)]
+        calls.append((keys, [core.max_recoveries, ms(core.publish_grace), *task_ids]))
     rows = []
-    for result in store.calls.run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases"):
+    for result in core.calls.run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases"):
         if result and result[0] == Code.CORRUPT:
             # This shard's deadline index: logged, the other shards' claims go on.
             logger.error("recovery: %s field %s %s; its leases cannot be claimed",
@@ -66,8 +64,8 @@ def claim_expired(store: "LeaseStore", limit: int | None = None, ids: Sequence[s
             # Reported by the recovery pass; the rest of the batch goes on.
             env = {}
             error = error or CorruptRecord(
-                f"message {store.keys.message(task_id)} of task {task_id} holds an envelope "
-                f"that is not JSON", store.keys.message(task_id), "envelope")
+                f"message {core.keys.message(task_id)} of task {task_id} holds an envelope "
+                f"that is not JSON", core.keys.message(task_id), "envelope")
         if not isinstance(env, dict):
             env = {}
         claims.append(Claim(task_id, code, int(gen), int(recoveries),
@@ -75,26 +73,26 @@ def claim_expired(store: "LeaseStore", limit: int | None = None, ids: Sequence[s
     return claims
 
 
-def mark_published(store: "LeaseStore", claims: Iterable[Claim]) -> int:
+def mark_published(core: StoreCore, claims: Iterable[Claim]) -> int:
     """Confirm re-published claims: the broker holds them from now on (with publish tracking,
-    ``store.delivery_timeout`` > 0, they wait in the queued index for their delivery)."""
+    ``core.delivery_timeout`` > 0, they wait in the queued index for their delivery)."""
     claims = list(claims)
     if not claims:
         return 0
     by_id = {c.task_id: c for c in claims}
     calls = []
-    for index, task_ids in store.keys.by_shard(c.task_id for c in claims).items():
-        shard = store.keys.shard(index)
+    for index, task_ids in core.keys.by_shard(c.task_id for c in claims).items():
+        shard = core.keys.shard(index)
         # With publish tracking on, the confirmed copy waits in the queued index: if the
         # broker loses it too, claim_undelivered re-publishes it (mark_published.lua).
         keys = [shard.deadlines, shard.queued]
-        args: list[Any] = [ms(store.retention), ms(store.delivery_timeout or 0)]
+        args: list[Any] = [ms(core.retention), ms(core.delivery_timeout or 0)]
         for t in task_ids:
-            keys += [store.keys.record(t), store.keys.message(t)]
+            keys += [core.keys.record(t), core.keys.message(t)]
             args += [t, by_id[t].generation]
         calls.append((keys, args))
     confirmed = 0
-    for reply in store.calls.run_many(scripts.mark_published, calls, f"{len(claims)} claims"):
+    for reply in core.calls.run_many(scripts.mark_published, calls, f"{len(claims)} claims"):
         if isinstance(reply, list):  # CORRUPT: an index; claimed again, reported then
             logger.error("recovery: confirming claims: %s field %s %s", *(v.decode() for v in reply[1:4]))
             continue
@@ -102,21 +100,26 @@ def mark_published(store: "LeaseStore", claims: Iterable[Claim]) -> int:
     return confirmed
 
 
-def recover(store: "LeaseStore", publish: Callable[[Claim], None] | None = None,
+def recover(core: StoreCore, publish: Callable[[Claim], None] | None,
             on_dead: Callable[[Claim], None] | None = None,
             limit: int | None = None,
-            on_corrupt: Callable[[Claim], None] | None = None) -> RecoveryReport:
-    """Run one recovery pass: claim expired leases, re-publish them, confirm.
+            on_corrupt: Callable[[Claim], None] | None = None, *,
+            steps: Iterable[Callable[[], RecoveryReport]] = (),
+            claimer: Callable[[Sequence[str]], list[Claim]] | None = None,
+            confirmer: Callable[[Iterable[Claim]], int] | None = None) -> RecoveryReport:
+    """Run one recovery pass: claim expired leases, re-publish them, confirm, then ``steps``.
 
     A publish that raises leaves its claim unconfirmed; the next pass after
     ``publish_grace`` claims it again. Stops after ``limit`` claims (default:
     until nothing is due). A corrupt record affects its own task only: the
     script took it out of the deadline index, and ``on_corrupt`` (the Celery
     side parks it) gets the claim, with the stored message if it was readable.
+    ``claimer`` and ``confirmer`` default to ``claim_expired`` and ``mark_published``
+    here (the store passes its own methods, so a wrapped one sees its phase);
+    ``steps`` are more steps of the pass, each returning a RecoveryReport.
     """
-    publish = publish or store.publish
-    on_dead = on_dead or store.on_dead
-    on_corrupt = on_corrupt or store.on_corrupt
+    claim_ids = claimer or (lambda ids: claim_expired(core, ids=ids))
+    confirm = confirmer or (lambda claims: mark_published(core, claims))
     if publish is None:
         raise LeaseError("recover() needs a publish callable (celery_leases.store(app) provides one)")
     report = RecoveryReport()
@@ -124,17 +127,17 @@ def recover(store: "LeaseStore", publish: Callable[[Claim], None] | None = None,
     # Every round lists, claims and confirms on all shards with work left,
     # each step one pipelined round trip: with many shards a pass costs
     # about as many round trips as with one.
-    pending = list(range(store.shards))
+    pending = list(range(core.shards))
     while pending and (remaining is None or remaining > 0):
-        batch = store.recover_batch if remaining is None else min(remaining, store.recover_batch)
-        found = store.expired_by_shard(pending, batch)
+        batch = core.recover_batch if remaining is None else min(remaining, core.recover_batch)
+        found = core.expired_by_shard(pending, batch)
         pending = [index for index, found_ids in found.items() if len(found_ids) >= batch]
         ids = [t for found_ids in found.values() for t in found_ids]
         if remaining is not None:
             ids = ids[:remaining]
         if not ids:
             break
-        claims = store.claim_expired(ids=ids)
+        claims = claim_ids(ids)
         published = []
         for claim in claims:
             if claim.code is Code.CORRUPT:
@@ -167,11 +170,11 @@ def recover(store: "LeaseStore", publish: Callable[[Claim], None] | None = None,
                 report.errors.append((claim.task_id, exc))
                 logger.error("recovery of task %s (generation %s) failed, it will be "
                              "claimed again after %ss: %r", claim.task_id, claim.generation,
-                             store.publish_grace, exc, exc_info=True)
-        store.mark_published(published)
+                             core.publish_grace, exc, exc_info=True)
+        confirm(published)
         if remaining is not None:
             remaining -= len(ids)
-    for step in store.recovery_steps:
+    for step in steps:
         report += step()
     return report
 

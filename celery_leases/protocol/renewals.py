@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from .calls import ms
 from .codes import Code
+from .core import StoreCore
 from .records import raise_if_corrupt
 from .scripts import scripts
-
-if TYPE_CHECKING:
-    from .store import LeaseStore
 
 __all__ = ["renew_many", "release", "mark_started"]
 
 logger = logging.getLogger("celery_leases.store")
 
 
-def renew_many(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
+def renew_many(core: StoreCore, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
                check_progress: bool = False) -> dict[str, Code]:
     """Renew leases ``owner`` holds, all with the same ``ttl``, in one call per shard.
 
@@ -42,16 +40,16 @@ def renew_many(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, tt
     if pause_gc:
         gc.disable()
     try:
-        ttl_ms, progress = ms(store.ttl if ttl is None else ttl), 1 if check_progress else 0
+        ttl_ms, progress = ms(core.ttl if ttl is None else ttl), 1 if check_progress else 0
         calls = []
-        groups = store.keys.by_shard(leases) if store.shards > 1 else {0: list(leases)}
+        groups = core.keys.by_shard(leases) if core.shards > 1 else {0: list(leases)}
         for index, task_ids in groups.items():
-            shard = store.keys.shard(index)
+            shard = core.keys.shard(index)
             start = shard.record_prefix()
             calls.append(([shard.deadlines, shard.stats, *(start + t for t in task_ids)],
                           [owner, ttl_ms, progress, len(start), *(leases[t] for t in task_ids)]))
         out: dict[str, Code] = {}
-        results = store.calls.run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}")
+        results = core.calls.run_many(scripts.renew_many, calls, f"{len(leases)} leases of {owner}")
         for task_ids, flat in zip(groups.values(), results):
             if flat and flat[0] == Code.CORRUPT:
                 # The shard's deadline index itself: none of its leases can be renewed.
@@ -69,7 +67,7 @@ def renew_many(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, tt
                     # One record: that task's lease is not renewed (lost); the rest were.
                     logger.error("lease of task %s not renewed: its record %s field %s; it is "
                                  "treated as lost and recovery parks it", task_id,
-                                 store.keys.record(task_id), flat[i].decode())
+                                 core.keys.record(task_id), flat[i].decode())
                     i += 1
         return out
     finally:
@@ -77,7 +75,7 @@ def renew_many(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, tt
             gc.enable()
 
 
-def release(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
+def release(core: StoreCore, owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
     """Make these leases due now so they are recovered without waiting out the ttl.
 
     ``unstarted`` marks leases whose task never ran (a warm shutdown's
@@ -86,24 +84,24 @@ def release(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, unsta
     if not leases:
         return 0
     calls = []
-    for index, task_ids in store.keys.by_shard(leases).items():
-        keys = [store.keys.shard(index).deadlines]
+    for index, task_ids in core.keys.by_shard(leases).items():
+        keys = [core.keys.shard(index).deadlines]
         args: list[Any] = [owner, 1 if unstarted else 0]
         for task_id in task_ids:
-            keys.append(store.keys.record(task_id))
+            keys.append(core.keys.record(task_id))
             args += [task_id, int(leases[task_id])]
         calls.append((keys, args))
     released = 0
-    for reply in store.calls.run_many(scripts.release, calls, f"{len(leases)} leases of {owner}"):
+    for reply in core.calls.run_many(scripts.release, calls, f"{len(leases)} leases of {owner}"):
         raise_if_corrupt(reply, f"releasing leases of {owner}")
         released += int(reply[1])
         for task_id, what in zip(reply[2::2], reply[3::2]):
             logger.error("lease of task %s not released: its record %s field %s",
-                         task_id.decode(), store.keys.record(task_id.decode()), what.decode())
+                         task_id.decode(), core.keys.record(task_id.decode()), what.decode())
     return released
 
 
-def mark_started(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, alone: bool = False) -> int:
+def mark_started(core: StoreCore, owner: str, leases: Mapping[str, int], *, alone: bool = False) -> int:
     """Record that the bodies of these leases started running; returns how many were marked.
 
     Only a started lease counts a recovery when its owner dies: prefetched
@@ -112,8 +110,8 @@ def mark_started(store: "LeaseStore", owner: str, leases: Mapping[str, int], *, 
     if not leases:
         return 0
     calls = []
-    for index, task_ids in store.keys.by_shard(leases).items():
-        calls.append(([store.keys.shard(index).stats, *(store.keys.record(t) for t in task_ids)],
+    for index, task_ids in core.keys.by_shard(leases).items():
+        calls.append(([core.keys.shard(index).stats, *(core.keys.record(t) for t in task_ids)],
                       [owner, 1 if alone else 0, *(int(leases[t]) for t in task_ids)]))
-    return sum(int(n) for n in store.calls.run_many(scripts.mark_started, calls,
+    return sum(int(n) for n in core.calls.run_many(scripts.mark_started, calls,
                                               f"start marks of {len(leases)} leases of {owner}"))

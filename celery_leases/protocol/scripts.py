@@ -16,11 +16,7 @@ import hashlib
 import re
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Sequence
 
-import redis
-
-from .calls import call_script
 from .codes import STATES, TERMINAL_STATES, Code
 
 SCRIPT_NAMES = (
@@ -112,9 +108,6 @@ class Script:
         self.name = name
         self.source = source(name)
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
-
-    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return call_script(client, self, keys, args)
 
 
 class Scripts:

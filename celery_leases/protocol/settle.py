@@ -33,7 +33,7 @@ from .clock import ServerClock, server_clock
 from ..exceptions import LeaseLost, LeaseUnavailable
 
 if TYPE_CHECKING:
-    from .store import LeaseStore
+    from .core import StoreCore
 
 __all__ = ["settle_finish"]
 
@@ -45,7 +45,7 @@ logger = logging.getLogger("celery_leases.task")
 FIRST_DELAY, MAX_DELAY = 0.25, 2.0
 
 
-def settle_finish(store: "LeaseStore", send: Callable[[int], T], *, bound: float, task_id: str,
+def settle_finish(store: "StoreCore", send: Callable[[int], T], *, bound: float, task_id: str,
                   token: int, clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], None] = time.sleep,
                   server: ServerClock | None = None) -> T:

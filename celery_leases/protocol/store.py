@@ -2,60 +2,57 @@
 
 Knows nothing of Celery. The Celery wiring hands it opaque message bodies and
 envelopes to keep for recovery, and a ``publish`` callable to put them back.
-``LeaseStore`` holds the transitions and the reads; the script runner is
-calls.py, the recovery pass recovery.py, the operators' tools admin.py, the
-values it returns records.py.
+``LeaseStore`` holds the transitions and composes the rest, each of which takes
+the store's core (core.py: client, keys, script runner, settings, plain reads)
+and never this module: the inputs of acquire and finish (transitions.py), the
+heartbeat's batch transitions (renewals.py), the recovery pass (recovery.py),
+the operators' tools (admin.py). The values it returns are records.py's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis
 
 from .. import defaults
-from ..exceptions import CorruptRecord, LeaseError, LeaseLost
+from ..exceptions import LeaseError
 from . import admin, recovery, renewals
-from .calls import ScriptCalls, compact_json, ms, raise_unless_ok
-from .wire import segments
-from .codes import OUTCOMES, Code
-from .connection import connect, describe
-from .keys import Keys, usable_id
-from .records import (Acquisition, Claim, LeaseRecord, Parked, RecoveryReport, acquisition_of,
-                      raise_if_corrupt)
-from .scripts import Script, scripts
+from .calls import compact_json, ms, raise_unless_ok
+from .codes import Code
+from .connection import connect
+from .core import PARKED_CAP, PARKED_RETENTION, StoreCore, StoreSettings, one_task
+from .records import Acquisition, Claim, LeaseRecord, Parked, RecoveryReport, acquisition_of, raise_if_corrupt
+from .scripts import scripts
+from .transitions import (ACQUIRE_ARGS, ACQUIRE_KEYS, AcquireLike, AcquireRequest, FinishRequest,
+                          acquire_call, acquire_many_call, acquire_request, finish_call)
+from .transitions import acquire_many_command as _acquire_many_command
+from .transitions import acquire_parts as _acquire_parts
 
-__all__ = ["LeaseStore", "PARKED_RETENTION", "PARKED_CAP"]
+__all__ = ["LeaseStore", "StoreSettings", "AcquireRequest", "FinishRequest", "PARKED_RETENTION",
+           "PARKED_CAP", "ACQUIRE_KEYS", "ACQUIRE_ARGS", "one_task"]
 
 logger = logging.getLogger("celery_leases.store")
 
-#: Parked entries are kept this long (seconds) and at most this many: an operator
-#: has a week to look, and a flood of bad deliveries cannot fill the server.
-PARKED_RETENTION = 7 * 86400.0
-PARKED_CAP = 10_000
-
-#: Keys and arguments of one acquire (acquire.lua's header): acquire_many takes them in blocks.
-ACQUIRE_KEYS, ACQUIRE_ARGS = 6, 15
+#: LeaseStore's keyword settings: StoreSettings' fields, and their defaults as the keywords give them.
+_KEYWORD_SETTINGS = {"ttl": defaults.TTL, "retention": defaults.RETENTION,
+                     "max_recoveries": defaults.MAX_RECOVERIES, "publish_grace": defaults.PUBLISH_GRACE,
+                     "recover_batch": defaults.RECOVER_BATCH, "shards": 1,
+                     "parked_retention": PARKED_RETENTION, "parked_cap": PARKED_CAP}
 
 
-def one_task(task_id: Any) -> str:
-    """``task_id``, or TypeError naming it when no record can have it (not a non-empty UTF-8
-    str). Checked where a caller names one task; ids read back from the store's own indexes
-    are not (a corrupt member is the scripts' to report, and must not stop a recovery pass)."""
-    if not usable_id(task_id):
-        raise TypeError(f"task id {task_id!r}: not a non-empty UTF-8 str; no lease record can have it")
-    return task_id
-
-
-class LeaseStore:
+class LeaseStore(StoreCore):
     """Leases of one key prefix on one Redis (a server, or a Redis Cluster).
 
-    ``ttl``, ``retention`` and ``publish_grace`` are seconds. ``publish`` and
-    ``on_dead`` are what a recovery pass does with a claimed lease; the Celery
-    wiring provides them. ``shards`` (leases_shards) spreads the records and
-    deadline indexes over that many hash tags (see keys.py): operations on many
-    tasks make one script call per shard, and operations over the whole store
-    (recovery, stats, listings) visit every shard.
+    ``settings`` (StoreSettings) or the keywords of the same names give the numbers:
+    ``ttl``, ``retention`` and ``publish_grace`` are seconds; a keyword given a value
+    other than its default wins over ``settings``. ``publish`` and ``on_dead`` are
+    what a recovery pass does with a claimed lease; the Celery wiring provides them.
+    ``shards`` (leases_shards) spreads the records and deadline indexes over that
+    many hash tags (see keys.py): operations on many tasks make one script call per
+    shard, and operations over the whole store (recovery, stats, listings) visit
+    every shard.
     """
 
     def __init__(self, client: redis.Redis, prefix: str = defaults.KEY_PREFIX, *,
@@ -67,32 +64,24 @@ class LeaseStore:
                  on_dead: Callable[[Claim], None] | None = None,
                  description: str | None = None, shards: int = 1,
                  parked_retention: float = PARKED_RETENTION, parked_cap: int = PARKED_CAP,
-                 on_corrupt: Callable[[Claim], None] | None = None) -> None:
-        self.client = client
-        self.keys = Keys(prefix, shards)
-        self.shards = self.keys.shards
-        # With one sequence per shard, tokens of different shards are ordered by
-        # the clock; on a cluster, a failover that loses the last INCR of a
-        # sequence then cannot hand out a token again (docs/cluster.md).
-        self._clock_tokens = 1 if self.shards > 1 or hasattr(client, "get_node_from_key") else 0
-        self.ttl, self.retention = ttl, retention
-        self.max_recoveries, self.publish_grace = max_recoveries, publish_grace
-        self.recover_batch = recover_batch
+                 on_corrupt: Callable[[Claim], None] | None = None,
+                 settings: StoreSettings | None = None) -> None:
+        given: dict[str, Any] = dict(ttl=ttl, retention=retention, max_recoveries=max_recoveries,
+                     publish_grace=publish_grace, recover_batch=recover_batch, shards=shards,
+                     parked_retention=parked_retention, parked_cap=parked_cap)
+        if settings is None:
+            settings = StoreSettings(**given)
+        else:
+            changed = {k: v for k, v in given.items() if v != _KEYWORD_SETTINGS[k]}
+            if changed:
+                settings = dataclasses.replace(settings, **changed)
+        super().__init__(client, prefix, settings, description)
         self.publish, self.on_dead = publish, on_dead
         #: What a recovery pass does with a claim whose record is corrupt (park it).
         self.on_corrupt = on_corrupt
-        self.parked_retention, self.parked_cap = parked_retention, parked_cap
-        self.description = description or describe(client)
         #: More steps of every recovery pass, each returning a RecoveryReport (the Celery
-        #: wiring adds the re-publish of undelivered tasks, queued.py, when tracking is on).
+        #: wiring adds the re-publish of undelivered tasks, queued/, when tracking is on).
         self.recovery_steps: list[Callable[[], RecoveryReport]] = []
-        #: Seconds of leases_delivery_timeout when publish tracking is on for this store (set by
-        #: queued.QueuedTasks), else 0: a confirmed re-publish and a retry hand-over then wait in
-        #: the queued index, so a copy the broker loses is re-published (mark_published.lua,
-        #: hand_over.lua).
-        self.delivery_timeout: float = 0.0
-        #: Every script call and read goes through this runner (calls.py).
-        self.calls = ScriptCalls(client, self.description)
 
     @classmethod
     def from_url(cls, url: str, *, transport_options: Mapping[str, Any] | None = None,
@@ -122,70 +111,73 @@ class LeaseStore:
         gevent, eventlet), so its death is not charged to this task unless it ran
         alone (``Acquisition.isolate``, ``mark_started(alone=True)``).
         """
-        call: dict[str, Any] = dict(ttl=ttl, generation=generation, attempt=attempt, max_recoveries=max_recoveries,
-                    progress_timeout=progress_timeout, name=name, body=body, envelope=envelope,
-                    reassert=reassert, publish=publish, recorded=recorded, shared=shared)
-        script, keys, args = self._acquire_call(task_id, owner, **call)
-        raw = self.calls.run(script, keys, args, f"task {task_id}, key {keys[0]}")
-        return self.acquire_reply(raw, task_id=task_id, owner=owner, **call)
+        return self.acquire_request(AcquireRequest(
+            task_id, owner, ttl=ttl, generation=generation, attempt=attempt, max_recoveries=max_recoveries,
+            progress_timeout=progress_timeout, name=name, body=body, envelope=envelope,
+            reassert=reassert, publish=publish, recorded=recorded, shared=shared))
 
-    def acquire_reply(self, raw: Any, **call: Any) -> Acquisition:
-        """The Acquisition in ``raw``, the reply read for ``acquire(**call)``'s script call.
+    def acquire_request(self, req: AcquireRequest) -> Acquisition:
+        """``acquire`` for the AcquireRequest ``req``."""
+        script, keys, args = acquire_call(self, req)
+        raw = self.calls.run(script, keys, args, f"task {req.task_id}, key {keys[0]}")
+        return self._acquired(raw, req)
+
+    def acquire_reply(self, raw: Any, request: AcquireRequest | None = None, **call: Any) -> Acquisition:
+        """The Acquisition in ``raw``, the reply read for ``acquire(**call)``'s script call
+        (or for ``request``'s).
 
         An error reply raises as ``acquire`` would (NOSCRIPT: the call is made
         again here, which loads the script); CORRUPT raises CorruptRecord.
         """
-        task_id = call.get("task_id")
+        return self._acquired(raw, request if request is not None else AcquireRequest(**call))
+
+    def _acquired(self, raw: Any, req: AcquireRequest) -> Acquisition:
         if isinstance(raw, Exception):
-            script, keys, args = self._acquire_call(**call)
-            raw = self.calls.reply(script, keys, args, raw, f"task {task_id}, key {keys[0]}")
-        raise_if_corrupt(raw, f"task {task_id}")
+            script, keys, args = acquire_call(self, req)
+            raw = self.calls.reply(script, keys, args, raw, f"task {req.task_id}, key {keys[0]}")
+        raise_if_corrupt(raw, f"task {req.task_id}")
         acq = acquisition_of(raw)
         if acq.code is Code.NO_MESSAGE:  # the message left out after all: now with it, waiting
-            return self.acquire(**{**call, "recorded": False})
+            return self.acquire(**{f.name: getattr(req, f.name) for f in dataclasses.fields(req)
+                                   if f.name != "recorded"})
         return acq
 
-    def acquire_many(self, calls: Sequence[Mapping[str, Any]], *, owner: str = "",
+    def acquire_many(self, calls: Sequence[AcquireLike], *, owner: str = "",
                      starts: Mapping[str, int] | None = None) -> tuple[list, int]:
         """Several acquires in one call (acquire_many.lua), with start marks riding along.
 
-        ``calls``: each acquire's keyword arguments (``task_id`` and ``owner``
-        included); ``starts``: leases of ``owner`` whose bodies started
-        (``mark_started``). Returns each acquire's Acquisition, or the
+        ``calls``: each acquire as an AcquireRequest, or its keyword arguments
+        (``task_id`` and ``owner`` included); ``starts``: leases of ``owner`` whose
+        bodies started (``mark_started``). Returns each acquire's Acquisition, or the
         LeaseError it alone met, in order, and the number of leases marked.
         An error of the whole call raises. On a cluster, whose keys cannot
         share a call, the acquires are made one by one.
         """
+        reqs = [acquire_request(call) for call in calls]
         if self.calls.cluster:
             results: list = []
-            for call in calls:
+            for req in reqs:
                 try:
-                    results.append(self.acquire(**call))
+                    results.append(self.acquire_request(req))
                 except LeaseError as exc:
                     results.append(exc)
             return results, self.mark_started(owner, starts) if starts else 0
-        keys, args = self._acquire_many_call(calls, owner, starts)
-        raw = self.calls.run(scripts.acquire_many, keys, args, f"{len(calls)} acquire(s)")
-        return self.acquire_many_reply(raw, calls, owner=owner, starts=starts)
+        keys, args = acquire_many_call(self, reqs, owner, starts)
+        raw = self.calls.run(scripts.acquire_many, keys, args, f"{len(reqs)} acquire(s)")
+        return self.acquire_many_reply(raw, reqs, owner=owner, starts=starts)
 
-    def acquire_parts(self, **call: Any) -> tuple[bytes, bytes]:
-        """``acquire(**call)``'s keys and arguments, packed, for ``acquire_many_command``
-        (a caller that writes its own socket packs each acquire as it comes)."""
-        keys, args = self._shared_acquire(call)
-        return segments(keys), segments(args)
+    def acquire_parts(self, request: AcquireRequest | None = None, **call: Any) -> tuple[bytes, bytes]:
+        """``acquire(**call)``'s (or ``request``'s) keys and arguments, packed, for
+        ``acquire_many_command`` (a caller that writes its own socket packs each acquire
+        as it comes)."""
+        return _acquire_parts(self, request if request is not None else AcquireRequest(**call))
 
     def acquire_many_command(self, parts: Sequence[tuple[bytes, bytes]], owner: str = "",
                              starts: Mapping[str, int] | None = None) -> bytes:
         """The EVALSHA of acquire_many for acquires packed by ``acquire_parts``, and marks."""
-        mark_keys, head = self._many_frame(len(parts), owner, starts)
-        n_keys = ACQUIRE_KEYS * len(parts) + len(mark_keys)
-        n_args = len(head) + ACQUIRE_ARGS * len(parts)
-        return b"".join([b"*%d\r\n" % (3 + n_keys + n_args),
-                         segments(("EVALSHA", scripts.acquire_many.sha, n_keys)),
-                         *(keys for keys, _ in parts), segments(mark_keys), segments(head),
-                         *(args for _, args in parts)])
+        return _acquire_many_command(self, parts, owner, starts)
 
-    def acquire_many_reply(self, raw: Any, calls: Sequence[Mapping[str, Any]], *, owner: str = "",
+    def acquire_many_reply(self, raw: Any, calls: Sequence[AcquireLike], *, owner: str = "",
                            starts: Mapping[str, int] | None = None) -> tuple[list, int]:
         """``acquire_many``'s answer from ``raw``, the reply read for its command.
 
@@ -193,71 +185,20 @@ class LeaseStore:
         error of the whole call raises. An acquire's own error reply becomes
         its LeaseError, as ``acquire`` would raise it.
         """
+        reqs = [acquire_request(call) for call in calls]
         if isinstance(raw, Exception):
-            keys, args = self._acquire_many_call(calls, owner, starts)
-            raw = self.calls.reply(scripts.acquire_many, keys, args, raw, f"{len(calls)} acquire(s)")
-        if not isinstance(raw, list) or len(raw) != len(calls) + 1 or type(raw[-1]) is not int:
-            raise LeaseError(f"acquire_many on {self.description}: {len(calls)} acquire(s) answered "
+            keys, args = acquire_many_call(self, reqs, owner, starts)
+            raw = self.calls.reply(scripts.acquire_many, keys, args, raw, f"{len(reqs)} acquire(s)")
+        if not isinstance(raw, list) or len(raw) != len(reqs) + 1 or type(raw[-1]) is not int:
+            raise LeaseError(f"acquire_many on {self.description}: {len(reqs)} acquire(s) answered "
                              f"{raw!r}")
         results: list = []
-        for item, call in zip(raw, calls):
+        for item, req in zip(raw, reqs):
             try:
-                results.append(self.acquire_reply(item, **call))
+                results.append(self._acquired(item, req))
             except LeaseError as exc:
                 results.append(exc)
         return results, raw[-1]
-
-    def _acquire_many_call(self, calls: Sequence[Mapping[str, Any]], owner: str,
-                           starts: Mapping[str, int] | None) -> tuple[list, list]:
-        keys: list = []
-        args: list = []
-        for call in calls:
-            one_keys, one_args = self._shared_acquire(call)
-            keys += one_keys
-            args += one_args
-        mark_keys, head = self._many_frame(len(calls), owner, starts)
-        return keys + mark_keys, head + args
-
-    def _shared_acquire(self, call: Mapping[str, Any]) -> tuple[list, list]:
-        """One acquire's keys and arguments as acquire_many takes them (acquire.lua's)."""
-        script, keys, args = self._acquire_call(**call)
-        if script is not scripts.acquire:
-            raise ValueError(f"task {call.get('task_id')!r}: a re-assert cannot share an acquire_many call")
-        return keys, args
-
-    def _many_frame(self, n: int, owner: str, starts: Mapping[str, int] | None) -> tuple[list, list]:
-        """acquire_many's keys after the acquires' (the marks': their shard's stats hash, then
-        each record) and its arguments before theirs (n, m, owner, the m tokens): its header's
-        layout, in this one place."""
-        if not starts:
-            return [], [n, 0, ""]
-        first = next(iter(starts))
-        tokens = [int(token) for token in starts.values()]
-        return ([self.keys.shard_for(first).stats, *(self.keys.record(t) for t in starts)],
-                [n, len(tokens), owner, *tokens])
-
-    def _acquire_call(self, task_id: str, owner: str, *, ttl: float | None = None,
-                      generation: int = 0, attempt: int = 0, max_recoveries: int | None = None,
-                      progress_timeout: float = 0, name: str = "", body: bytes = b"",
-                      envelope: Mapping | None = None, reassert: int = 0,
-                      publish: str = "", recorded: bool = False,
-                      shared: bool = False) -> tuple[Script, list, list]:
-        """The script, KEYS and ARGV of an acquire: acquire.lua, or reassert.lua for ``reassert``."""
-        # (The wire would carry 1.5 as "1.5": a wrong id, not a task's.)
-        key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
-        keys = [key, shard.deadlines, shard.sequence, shard.stats, self.keys.message(task_id)]
-        if not reassert:
-            keys.append(shard.queued)  # a record queued at publish leaves this index (acquire.lua)
-        # A recorded message is left out (acquire.lua ARGV[14]); a re-assert always sends it.
-        omit = bool(recorded and publish and not reassert)
-        args = [task_id, owner, ms(self.ttl if ttl is None else ttl), int(generation), int(attempt),
-                self.max_recoveries if max_recoveries is None else int(max_recoveries),
-                ms(progress_timeout), name, b"" if omit else body,
-                "" if omit or envelope is None else compact_json(envelope)]
-        if reassert:
-            return scripts.reassert, keys, [*args, int(reassert)]
-        return scripts.acquire, keys, [*args, ms(self.retention), self._clock_tokens, publish or "",
-                                       1 if omit else 0, 1 if shared else 0]
 
     def finish(self, task_id: str, owner: str, token: int, outcome: str,
                *, next_attempt: int = 0, retry_grace: float | None = None,
@@ -286,37 +227,17 @@ class LeaseStore:
         raises LeaseLost with reason "late" (settle.py). A holder whose record
         is gone re-creates it under its token (finish.lua, hand_over.lua).
         """
-        if outcome not in OUTCOMES:
-            raise ValueError(f"finish: unknown outcome {outcome!r} for task {task_id}; "
-                             f"expected one of {OUTCOMES}")
-        key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
-        if outcome == "retry":  # the hand-over to the next attempt (hand_over.lua)
-            if write is not None:
-                raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
-            script = scripts.hand_over
-            keys = [key, shard.deadlines, shard.stats, shard.sequence, shard.queued]
-            wait = self.publish_grace if retry_grace is None else retry_grace
-            # With publish tracking the next attempt is due at its countdown (retry_grace is the
-            # countdown plus publish_grace) and waits the delivery timeout from then.
-            args = [task_id, owner, int(token), int(next_attempt), ms(wait), int(not_after),
-                    ms(max(0.0, wait - self.publish_grace)), ms(self.delivery_timeout or 0)]
-        else:
-            script = scripts.finish
-            if write is not None and kept is not None:
-                raise ValueError(f"finish: task {task_id}: a result written by the finish is not kept too")
-            keys = [key, shard.deadlines, shard.stats, self.keys.message(task_id), shard.sequence,
-                    shard.unwritten, shard.unwritten_results]
-            args = [task_id, owner, int(token), outcome, ms(self.retention), int(not_after)]
-            if write is not None:
-                keys.append(write[0])
-                args += [write[1], int(write[2] or 0)]
-            else:
-                args += ["", 0]
-            args += [kept or "", ms(kept_due), *written]
-        reply = self.calls.run(script, keys, args, f"task {task_id}, key {key}")
-        raise_if_corrupt(reply, f"finish of task {task_id}")
+        self.finish_request(FinishRequest(
+            task_id, owner, token, outcome, next_attempt=next_attempt, retry_grace=retry_grace,
+            write=write, not_after=not_after, kept=kept, kept_due=kept_due, written=written))
+
+    def finish_request(self, req: FinishRequest) -> None:
+        """``finish`` for the FinishRequest ``req``."""
+        script, keys, args = finish_call(self, req)
+        reply = self.calls.run(script, keys, args, f"task {req.task_id}, key {keys[0]}")
+        raise_if_corrupt(reply, f"finish of task {req.task_id}")
         code, current, state = reply
-        raise_unless_ok(Code(code), task_id, token, state.decode())
+        raise_unless_ok(Code(code), req.task_id, req.token, state.decode())
 
     def revoke(self, task_id: str, *, expired: bool = False, owner: str = "", token: int = 0,
                name: str = "") -> Code:
@@ -337,6 +258,8 @@ class LeaseStore:
             f"task {task_id}, key {key}")
         raise_if_corrupt(reply, f"revoke of task {task_id}")
         return Code(reply[0])
+
+    # -- the heartbeat's batch transitions (renewals.py) ----------------------
 
     def renew_many(self, owner: str, leases: Mapping[str, int], *, ttl: float | None = None,
                    check_progress: bool = False) -> dict[str, Code]:
@@ -373,8 +296,12 @@ class LeaseStore:
     def recover(self, publish: Callable[[Claim], None] | None = None,
                 on_dead: Callable[[Claim], None] | None = None, limit: int | None = None,
                 on_corrupt: Callable[[Claim], None] | None = None) -> RecoveryReport:
-        """Run one recovery pass: claim expired leases, re-publish them, confirm (recovery.recover)."""
-        return recovery.recover(self, publish, on_dead, limit, on_corrupt)
+        """Run one recovery pass: claim expired leases, re-publish them, confirm (recovery.recover);
+        then every step of ``recovery_steps``. Each callable defaults to the store's own."""
+        return recovery.recover(self, publish or self.publish, on_dead or self.on_dead, limit,
+                                on_corrupt or self.on_corrupt, steps=self.recovery_steps,
+                                claimer=lambda ids: self.claim_expired(ids=ids),
+                                confirmer=self.mark_published)
 
     # -- parking and once-only steps -----------------------------------------
 
@@ -425,107 +352,6 @@ class LeaseStore:
             return False
         raise_unless_ok(Code(code), task_id, token)
         return True
-
-    def completed_steps(self, task_id: str) -> dict[str, int]:
-        """Once-only steps recorded for ``task_id``: step name -> token of the owner that recorded it."""
-        key = self.keys.record(one_task(task_id))
-        raw = self.calls.read(lambda: self.client.hgetall(key), f"reading {key} of task {task_id}")
-        try:
-            return {k.decode()[5:]: int(v) for k, v in raw.items() if k.startswith(b"step:")}
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptRecord(f"steps of task {task_id} in {key} are corrupt: {exc!r}") from None
-
-    # -- reads ---------------------------------------------------------------
-
-    def get(self, task_id: str) -> LeaseRecord | None:
-        """The lease record of ``task_id``, or None when there is none; TypeError for an
-        id no record can have (not a non-empty UTF-8 str), as for every call about one task."""
-        key = self.keys.record(one_task(task_id))
-
-        def read() -> list:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(key)
-            pipe.zscore(self.keys.shard_for(task_id).deadlines, task_id)
-            pipe.exists(self.keys.message(task_id))
-            return pipe.execute()
-
-        raw, deadline, has_message = self.calls.read(read, f"reading {key} of task {task_id}")
-        if not raw:
-            return None
-        return LeaseRecord.parse(task_id, key, raw, int(deadline or 0), bool(has_message))
-
-    def check(self, task_id: str, owner: str, token: int) -> None:
-        """Raise LeaseLost unless ``owner`` with ``token`` still holds ``task_id``'s lease."""
-        key = self.keys.record(one_task(task_id))
-        state, current, current_owner = self.calls.read(
-            lambda: self.client.hmget(key, "state", "token", "owner"),
-            f"reading {key} of task {task_id}")
-        if state is None:
-            raise LeaseLost(task_id, token, "missing")
-        try:
-            current = int(current)
-        except (TypeError, ValueError):
-            raise CorruptRecord(f"lease record {key} of task {task_id}: field token is not a "
-                                f"number: {current!r}") from None
-        if state != b"active" or current != int(token) or (current_owner or b"").decode() != owner:
-            raise LeaseLost(task_id, token, "lost" if state in (b"active", b"recovering") else "finished")
-
-    def active(self, limit: int = 1000) -> list[tuple[str, int]]:
-        """(task id, deadline ms) of leases in the deadline indexes, soonest first."""
-        shards = self.keys.all_shards()
-
-        def read() -> list:
-            pipe = self.client.pipeline(transaction=False)
-            for shard in shards:
-                pipe.zrange(shard.deadlines, 0, limit - 1, withscores=True)
-            return pipe.execute()
-
-        found = self.calls.read(read, f"reading {shards[0].deadlines}" + (
-            f" and {len(shards) - 1} more deadline indexes" if len(shards) > 1 else ""))
-        rows = sorted(((int(s), t.decode()) for rows in found for t, s in rows))[:limit]
-        return [(t, s) for s, t in rows]
-
-    def expired(self, limit: int = 1000) -> list[str]:
-        """Task ids whose deadline passed, by the server clock (up to ``limit``, of any shards)."""
-        out: list[str] = []
-        for ids in self.expired_by_shard(range(self.shards), limit).values():
-            out += ids
-        return out[:limit]
-
-    def expired_by_shard(self, shards: Iterable[int], limit: int) -> dict[int, list[str]]:
-        """Up to ``limit`` expired task ids of each of ``shards`` (each by its own master's clock)."""
-        shards = list(shards)
-        calls = [((self.keys.shard(i).deadlines,), (int(limit),)) for i in shards]
-        results = self.calls.run_many(scripts.expired, calls, "listing expired leases")
-        out: dict[int, list[str]] = {}
-        for i, rows in zip(shards, results):
-            if rows and rows[0] == Code.CORRUPT:
-                # This shard's deadline index is not a sorted set: logged, the other shards go on.
-                logger.error("listing expired leases: %s field %s %s", *(v.decode() for v in rows[1:4]))
-                rows = [0]
-            out[i] = [t.decode() for t in rows[1:]]
-        return out
-
-    def server_time_ms(self, key: str | None = None) -> int:
-        """The server clock in ms; on a cluster, of the master holding ``key`` (else any node)."""
-        def read() -> Any:
-            if key is not None and hasattr(self.client, "get_node_from_key"):
-                return self.client.time(target_nodes=self.client.get_node_from_key(key))
-            return self.client.time()
-        seconds, micros = self.calls.read(read, "reading the server clock")
-        return int(seconds) * 1000 + int(micros) // 1000
-
-    def held_for(self, task_id: str) -> float | None:
-        """Seconds since the current or last owner of ``task_id`` acquired it, by the server clock.
-
-        None when there is no record (or it was never acquired).
-        """
-        key = self.keys.record(one_task(task_id))
-        acquired_at = self.calls.read(lambda: self.client.hget(key, "acquired_at"),
-                                 f"reading {key} of task {task_id}")
-        if not acquired_at:
-            return None
-        return max(0.0, (self.server_time_ms(key) - int(acquired_at)) / 1000.0)
 
     # -- operators' reads and repairs (admin.py; named in docs/operations.md) --
 

@@ -27,7 +27,7 @@ from .records import raise_if_corrupt
 from .scripts import scripts
 
 if TYPE_CHECKING:
-    from .store import LeaseStore
+    from .core import StoreCore
 
 __all__ = ["KEPT_MAX", "UnwrittenResult", "claim", "confirm", "count", "pack"]
 
@@ -66,7 +66,7 @@ def pack(state: str, name: str, traceback: str | None, encoded: bytes | str,
     return head + b"\n" + (encoded.encode("utf-8") if isinstance(encoded, str) else encoded)
 
 
-def claim(store: "LeaseStore", limit: int | None = None) -> list[UnwrittenResult]:
+def claim(store: "StoreCore", limit: int | None = None) -> list[UnwrittenResult]:
     """Kept results past their due time, from every shard; each is handed out again
     ``publish_grace`` later unless confirmed meanwhile (claim_unwritten.lua)."""
     limit = limit or store.recover_batch
@@ -80,7 +80,7 @@ def claim(store: "LeaseStore", limit: int | None = None) -> list[UnwrittenResult
     return out
 
 
-def confirm(store: "LeaseStore", task_ids: Iterable[str], wrote: int = 0) -> None:
+def confirm(store: "StoreCore", task_ids: Iterable[str], wrote: int = 0) -> None:
     """Celery wrote the results of ``task_ids`` (``wrote`` of them by recovery)."""
     by_shard = store.keys.by_shard(task_ids)
     calls: list[tuple[list[str], list[Any]]] = []
@@ -92,7 +92,7 @@ def confirm(store: "LeaseStore", task_ids: Iterable[str], wrote: int = 0) -> Non
         raise_if_corrupt(reply, "confirming written results")
 
 
-def count(store: "LeaseStore") -> int:
+def count(store: "StoreCore") -> int:
     """Kept results not yet confirmed, over every shard."""
     def read() -> list:
         pipe = store.client.pipeline(transaction=False)
@@ -102,7 +102,7 @@ def count(store: "LeaseStore") -> int:
     return sum(int(n) for n in store.calls.read(read, "counting unwritten results"))
 
 
-def riding(store: "LeaseStore", task_id: str, written: Sequence[str]) -> list[str]:
+def riding(store: "StoreCore", task_id: str, written: Sequence[str]) -> list[str]:
     """The confirmations a finish of ``task_id`` can carry: those of its own shard."""
     if store.shards == 1:
         return list(written)

@@ -13,7 +13,7 @@ in (``LeasedRequest`` defers it), so no body runs without a lease.
 
 redis-py opens the connection (TLS, AUTH, SELECT, Sentinel's current
 master); the commands and replies then go over its socket directly
-(protocol/wire.py), since one read may bring several replies.
+(protocol/transport/resp.py), since one read may bring several replies.
 
 Everything here runs in the loop's thread: no locks, and no second thread
 competing with the loop for the GIL (a sending thread, measured, cost the
@@ -35,9 +35,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..protocol.codes import Code
-from ..protocol.direct import close_connection, open_connection, supported
+from ..protocol.transport.direct import close_connection, open_connection, supported
 from ..protocol.errors import lease_error
-from ..protocol.wire import Incomplete, parse
+from ..protocol.transport.resp import Incomplete, parse
 from .delivery import MalformedMessage
 
 logger = logging.getLogger("celery_leases.worker")

@@ -15,7 +15,8 @@ from celery_leases.exceptions import CorruptRecord, LeaseError
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
 from celery_leases.protocol.scripts import scripts
 from celery_leases.protocol.store import ACQUIRE_ARGS
-from celery_leases.protocol.wire import pack, parse
+from celery_leases.protocol.transitions import acquire_many_call as many_call
+from celery_leases.protocol.transport.resp import pack, parse
 
 ENVELOPE = {"headers": {}, "routing_key": "q"}
 
@@ -81,7 +82,7 @@ def test_a_server_error_raised_half_way_is_that_acquires_answer_and_the_others_s
     # Given three acquires, the second with a ttl no deadline can be (ZADD refuses NaN,
     # raised inside the script after the record was written)
     calls = [call("a"), call("nan"), call("b")]
-    keys, args = store._acquire_many_call(calls, "", None)
+    keys, args = many_call(store, calls, "", None)
     args[3 + ACQUIRE_ARGS + 2] = "nan"  # the second acquire's ARGV[3], its ttl
     raw = store.calls.run(scripts.acquire_many, keys, args, "test")
 
@@ -140,7 +141,7 @@ def test_the_packed_command_is_the_one_redis_py_would_send(store):
 
     packed = store.acquire_many_command(parts, "w", starts)
 
-    keys, args = store._acquire_many_call(calls, "w", starts)
+    keys, args = many_call(store, calls, "w", starts)
     assert packed == pack("EVALSHA", scripts.acquire_many.sha, len(keys), *keys, *args)
 
 
@@ -166,7 +167,7 @@ def test_the_packed_command_runs_and_its_reply_parses(store, redis_client):
 
 
 def test_arguments_that_do_not_match_the_counts_are_refused_naming_them(store, redis_client):
-    keys, args = store._acquire_many_call([call("c")], "", None)
+    keys, args = many_call(store, [call("c")], "", None)
     with pytest.raises(LeaseError, match="do not match 1 acquire"):
         store.calls.run(scripts.acquire_many, keys[:-1], args, "test")
     assert not redis_client.exists(store.keys.record("c"))

@@ -1,4 +1,4 @@
-"""Script calls on the process's own connection (celery_leases/protocol/direct.py), on real Redis servers.
+"""Script calls on the process's own connection (celery_leases/protocol/transport/direct.py), on real Redis servers.
 
 What must hold: the replies are the ones redis-py would give, a forked child
 never touches its parent's socket, a second thread is never kept waiting, a
@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from celery_leases import Code, LeaseStore
-from celery_leases.protocol.direct import BUSY, DirectCaller
+from celery_leases.protocol.transport.direct import BUSY, DirectCaller
 from celery_leases.exceptions import LeaseUnavailable
 from celery_leases.testing.servers import RedisServer
 from celery_leases.protocol.scripts import scripts
@@ -235,8 +235,8 @@ def big_reply(megabytes: int) -> tuple[bytes, list]:
 
 @pytest.mark.parametrize("use_hiredis", [False, True], ids=["scanner", "hiredis"])
 def test_a_reply_read_in_many_pieces_is_parsed_once(use_hiredis, monkeypatch):
-    from celery_leases.protocol import direct, wire
-    from celery_leases.protocol.direct import read_reply
+    from celery_leases.protocol.transport import direct, resp as wire
+    from celery_leases.protocol.transport.direct import read_reply
     if use_hiredis and direct._HiredisReader is None:
         return run_with_hiredis("test_a_reply_read_in_many_pieces_is_parsed_once[hiredis]")
     # Given a 16 MB reply arriving 64 KiB at a time, and the reader's work counted, not
@@ -304,8 +304,8 @@ def run_with_hiredis(test: str) -> None:
 
 
 def test_a_cut_reply_waits_for_its_end_and_extra_bytes_are_refused():
-    from celery_leases.protocol.direct import read_reply
-    from celery_leases.protocol.wire import pack
+    from celery_leases.protocol.transport.direct import read_reply
+    from celery_leases.protocol.transport.resp import pack
     reply = b"*3\r\n$3\r\nabc\r\n*2\r\n:1\r\n$-1\r\n-NOSCRIPT No matching script\r\n"
     parsed = read_reply(ChunkedSocket(reply, chunk=1), use_hiredis=False)
     assert parsed[:2] == [b"abc", [1, None]] and isinstance(parsed[2], redis.exceptions.NoScriptError)

@@ -26,7 +26,7 @@ from celery_leases.worker.acquirer import Acquirer, Job
 from celery_leases.exceptions import CorruptRecord, LeaseError, LeaseUnavailable
 from celery_leases.protocol.fencing import fenced_get, fenced_set
 from celery_leases.testing.servers import free_port
-from celery_leases.protocol.wire import Incomplete, parse
+from celery_leases.protocol.transport.resp import Incomplete, parse
 
 UNAVAILABLE, CORRUPT, OTHER = LeaseUnavailable, CorruptRecord, LeaseError
 

@@ -21,6 +21,7 @@ from celery_leases import (CorruptRecord, LeaseError, StaleFence, fenced_get, fe
                            fenced_update, idempotency_key)
 from celery_leases.protocol.codes import Code
 from celery_leases.protocol.keys import Keys
+from celery_leases.protocol.calls import call_script
 from celery_leases.protocol.scripts import scripts
 from tests.support.services import skip_or_fail
 
@@ -74,8 +75,8 @@ def test_redis_hash_fields_share_the_resource_fence(redis_client, key_prefix):
 
 def test_redis_script_answers_with_contract_codes(redis_client, key_prefix):
     key = Keys(key_prefix).fence("r")
-    assert scripts.fenced_write(redis_client, (key,), (5, "value", "v")) == [Code.OK, 5]
-    assert scripts.fenced_write(redis_client, (key,), (4, "value", "v")) == [Code.STALE_FENCE, 5]
+    assert call_script(redis_client, scripts.fenced_write, (key,), (5, "value", "v")) == [Code.OK, 5]
+    assert call_script(redis_client, scripts.fenced_write, (key,), (4, "value", "v")) == [Code.STALE_FENCE, 5]
 
 
 @pytest.mark.parametrize("token", [None, 0, -1, True, "5", 1.5])

@@ -12,6 +12,7 @@ import pytest
 from celery_leases import Code, LeaseStore
 from celery_leases.protocol.admin import expire_now
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
+from celery_leases.protocol.transitions import AcquireRequest, acquire_call
 
 RECORDED_BODY, DELIVERED_BODY = b"recorded-at-publish", b"as-delivered"
 ENVELOPE = {"headers": {"id": "t1"}, "routing_key": "q"}
@@ -86,8 +87,8 @@ def test_without_this_publishs_message_the_acquire_sends_it(store, queued, redis
 
 def test_no_message_writes_nothing(store, redis_client):
     # The script's own answer, before LeaseStore sends the message
-    script, keys, args = store._acquire_call("t1", "w", name="proj.add", body=DELIVERED_BODY,
-                                             envelope=ENVELOPE, publish="p1", recorded=True)
+    script, keys, args = acquire_call(store, AcquireRequest("t1", "w", name="proj.add", body=DELIVERED_BODY,
+                                                            envelope=ENVELOPE, publish="p1", recorded=True))
     assert args[8] == b"" and args[9] == "" and args[13] == 1  # the message is not sent (ARGV[14])
     keys_before, stats_before = sorted(redis_client.keys("*")), store.stats()
     assert keys_before  # (the warm-up's)
@@ -131,8 +132,8 @@ def test_a_recovering_message_with_an_expiry_loses_it_when_acquired(store, redis
 
 
 def test_a_reassert_always_sends_the_message(store):
-    _, _, args = store._acquire_call("t1", "w", body=DELIVERED_BODY, envelope=ENVELOPE,
-                                     publish="p1", recorded=True, reassert=7)
+    _, _, args = acquire_call(store, AcquireRequest("t1", "w", body=DELIVERED_BODY, envelope=ENVELOPE,
+                                                    publish="p1", recorded=True, reassert=7))
     assert args[8] == DELIVERED_BODY
 
 

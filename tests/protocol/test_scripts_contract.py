@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from celery_leases import Code, LeaseStore
-from celery_leases.protocol.direct import DirectCaller
 from celery_leases.protocol.fencing import fenced_set
-from celery_leases.protocol import scripts as scripts_module, unwritten
+from celery_leases.protocol import calls as calls_module, fencing, scripts as scripts_module, unwritten
 from celery_leases.protocol.scripts import SCRIPT_NAMES, Script, source
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
+from celery_leases.protocol.transport import DirectCaller
 
 SCRIPT_DIR = Path(scripts_module.__file__).resolve().parent / "scripts"
 LUA_FILES = sorted(p for p in SCRIPT_DIR.glob("*.lua") if p.name != "_helpers.lua")
@@ -218,18 +218,19 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
         redis_server_url, key_prefix, monkeypatch):
     # Given every call the store makes to a script is recorded
     calls: list[tuple[str, int, int]] = []
-    real_call, real_direct = Script.__call__, DirectCaller.call
+    real_call, real_direct = calls_module.call_script, DirectCaller.call
     names = {getattr(scripts_module.scripts, name).sha: name for name in SCRIPT_NAMES}
 
-    def spy(self, client, keys, args):
-        calls.append((self.name, len(keys), len(args)))
-        return real_call(self, client, keys, args)
+    def spy(client, script, keys, args):
+        calls.append((script.name, len(keys), len(args)))
+        return real_call(client, script, keys, args)
 
     def spy_direct(self, sha, keys, args):
         calls.append((names[sha], len(keys), len(args)))
         return real_direct(self, sha, keys, args)
 
-    monkeypatch.setattr(Script, "__call__", spy)
+    monkeypatch.setattr(calls_module, "call_script", spy)
+    monkeypatch.setattr(fencing, "call_script", spy)
     monkeypatch.setattr(DirectCaller, "call", spy_direct)
     store = LeaseStore(redis.Redis.from_url(redis_server_url), prefix=key_prefix, ttl=0.05)
 

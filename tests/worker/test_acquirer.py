@@ -24,7 +24,7 @@ from celery_leases.config import get_config
 from celery_leases.exceptions import CorruptRecord, LeaseUnavailable
 from celery_leases.testing.servers import RedisServer
 from celery_leases.protocol.records import Acquisition
-from celery_leases.protocol.wire import pack
+from celery_leases.protocol.transport.resp import pack
 from celery_leases.testing import wait_for
 from celery_leases.worker.acquirer import Acquirer, Job
 from celery_leases.worker.heartbeat import START_MARK_DELAY, START_MARK_FALLBACK, Heartbeat, Held
@@ -96,7 +96,7 @@ def test_pack_is_the_resp_encoding_redis_py_sends():
         assert pack(*ids) == b"".join(conn.pack_command(*ids))
     assert pack(*args) == b"".join(conn.pack_command(*args))
     # The cache holds a bounded number of short strings only (a result may be megabytes)
-    from celery_leases.protocol import wire
+    from celery_leases.protocol.transport import resp as wire
     assert len(wire._packed) <= wire._PACKED_MAX
     assert max(map(len, wire._packed)) <= wire._PACKED_LEN
 
@@ -526,7 +526,7 @@ def test_acquires_under_way_when_the_consumer_drops_its_requests_are_released(le
 def test_parse_decodes_what_a_script_reply_holds_and_waits_for_the_rest():
     from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
 
-    from celery_leases.protocol.wire import Incomplete, parse
+    from celery_leases.protocol.transport.resp import Incomplete, parse
 
     wire = (b"*5\r\n:1\r\n:42\r\n:0\r\n:-3\r\n$6\r\nactive\r\n"
             b"-NOSCRIPT No matching script.\r\n-LOADING loading\r\n-CORRUPT k field x\r\n"

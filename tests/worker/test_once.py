@@ -86,12 +86,13 @@ def test_no_step_is_recorded_without_a_live_lease(store, how):
 
 def test_the_script_answers_with_contract_codes(store, redis_client):
     # The raw codes, for the header contract: OK, STEP_DONE, LOST, FINISHED, MISSING
+    from celery_leases.protocol.calls import call_script
     from celery_leases.protocol.scripts import scripts
     lease = lease_of(store, "t1", A)
     keys = (store.keys.record("t1"),)
 
     def call(owner, token, step="s", task_keys=keys):
-        code, token = scripts.complete_step(redis_client, task_keys, (owner, token, step))
+        code, token = call_script(redis_client, scripts.complete_step, task_keys, (owner, token, step))
         return Code(code), token
 
     assert call(A, lease.token) == (Code.OK, lease.token)

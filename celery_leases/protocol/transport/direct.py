@@ -5,7 +5,7 @@ a pool process, the blocking acquire with the solo pool). Through redis-py a
 call costs about 20 µs of CPU more than the round trip itself: a connection
 taken from the pool and checked with a system call, the command packed, the
 reply parsed and passed through the response callbacks. Here the command is
-packed and the reply parsed with wire.py on a connection held for the
+packed and the reply parsed with resp.py on a connection held for the
 process, which the store's own client opened (so TLS, AUTH, SELECT and
 Sentinel's current master are redis-py's business, as on any of its connections).
 
@@ -34,9 +34,9 @@ from typing import Any, Sequence
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from .errors import lease_error
-from ..exceptions import LeaseUnavailable
-from .wire import ERRORS, Scanner, pack, parse
+from ...exceptions import LeaseUnavailable
+from ..errors import lease_error
+from .resp import ERRORS, Scanner, pack, parse
 
 try:  # redis-py's C parser, when installed (the "hiredis" extra): it buffers and parses in C
     from hiredis import Reader as _HiredisReader

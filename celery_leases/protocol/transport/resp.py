@@ -1,4 +1,6 @@
-"""The Redis protocol (RESP2, and what RESP3 adds to it), for the direct path and the acquirer.
+"""The Redis protocol (RESP2, and what RESP3 adds to it), packed and parsed by hand.
+
+For the direct path (direct.py), the publish line (line.py) and the worker's acquirer.
 
 The acquirer writes its commands and reads their replies on a socket of its
 own, from the event loop, several at a time; redis-py's connection objects
