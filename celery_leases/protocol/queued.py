@@ -105,6 +105,7 @@ class QueuedTasks:
         keys, args = self.enqueue_call(task)
         reply = self.store.calls.run(scripts.enqueue, [*keys, list_key], [*args, payload],
                                      f"recording and publishing task {task.task_id}")
+        self._script_loaded = True  # (answered: the server has the script, send_on may be used)
         return self._result(task, reply)
 
     def enqueue(self, task: QueuedTask) -> tuple[Code, str]:
@@ -150,12 +151,19 @@ class QueuedTasks:
         else:
             self.store.client.connection_pool.release(conn)
 
-    def send_on(self, conn: Any, task: QueuedTask, *, release: bool = False) -> "PendingEnqueue":
+    def send_on(self, conn: Any, task: QueuedTask, *, release: bool = False,
+                push: tuple[str, str] | None = None) -> "PendingEnqueue":
         """Write ``enqueue`` for ``task`` on ``conn`` (from ``take``) without reading its reply.
         Several on one connection make a pipeline: one round trip for a batch (a group's
         members) when their replies are read, in order, at its end.
-        ``release``: the reply's reader gives ``conn`` back (else the caller does)."""
-        command = self._enqueue_command(task)
+        ``release``: the reply's reader gives ``conn`` back (else the caller does).
+        ``push``: (list key, payload) of the message, pushed by the same call
+        (``enqueue_and_push``'s; the store is the broker's server)."""
+        if push is None:
+            command = self._enqueue_command(task)
+        else:
+            keys, args = self._push_call(task, push)
+            command = pack("EVALSHA", scripts.enqueue.sha, len(keys), *keys, *args)
         try:
             if self._line is not None and conn is self._line:
                 conn.write(command)
@@ -168,7 +176,14 @@ class QueuedTasks:
             if not isinstance(exc, Exception):
                 raise
             raise self._error(task, exc) from exc
-        return PendingEnqueue(self, task, conn, release=release)
+        return PendingEnqueue(self, task, conn, release=release, push=push)
+
+    def _push_call(self, task: QueuedTask, push: tuple[str, str] | None) -> tuple[list, list]:
+        """enqueue.lua's KEYS and ARGV for ``task``, with the message's push (KEYS[5], ARGV[9])."""
+        keys, args = self.enqueue_call(task)
+        if push is None:
+            return keys, args
+        return [*keys, push[0]], [*args, push[1]]
 
     def _enqueue_command(self, task: QueuedTask) -> bytes:
         """``enqueue_call(task)`` packed as one EVALSHA (transport/resp.py's format), built straight
@@ -267,9 +282,10 @@ class QueuedTasks:
 class PendingEnqueue:
     """An enqueue written on a connection whose reply is read by ``result()`` (once)."""
 
-    def __init__(self, tracked: QueuedTasks, task: QueuedTask, conn: Any, release: bool = True) -> None:
+    def __init__(self, tracked: QueuedTasks, task: QueuedTask, conn: Any, release: bool = True,
+                 push: tuple[str, str] | None = None) -> None:
         self.tracked, self.task, self.conn = tracked, task, conn
-        self.release = release
+        self.release, self.push = release, push
         line = conn if conn is tracked._line else None
         #: The line's socket this was written on, and whether it was held from an earlier publish.
         self.epoch = line.epoch if line is not None else 0
@@ -296,7 +312,7 @@ class PendingEnqueue:
                 # Written on the line held since an earlier publish, which had gone stale (an
                 # idle connection the server closed, a restart): the call is sent once more,
                 # now after its message, which is safe as for NOSCRIPT below.
-                call = self.tracked.enqueue_call(self.task)
+                call = self.tracked._push_call(self.task, self.push)
                 return self.tracked._result(self.task, store.calls.run(scripts.enqueue, *call, what))
             raise self.tracked._error(self.task, failure) from failure
         # NOSCRIPT (the server lost its scripts): calls.reply runs the call again, which loads
@@ -306,5 +322,5 @@ class PendingEnqueue:
             return raw
         if isinstance(raw, list):  # a reply: nothing for calls.reply to decide
             return self.tracked._result(self.task, raw)
-        reply = store.calls.reply(scripts.enqueue, *self.tracked.enqueue_call(self.task), raw, what)
+        reply = store.calls.reply(scripts.enqueue, *self.tracked._push_call(self.task, self.push), raw, what)
         return self.tracked._result(self.task, reply)

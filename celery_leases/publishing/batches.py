@@ -70,28 +70,48 @@ class _Batch:
         self.entries: list[tuple[Any, "PublishOutage"]] = []
 
     def send(self, tracked: QueuedTasks, task: QueuedTask, outage: PublishOutage) -> "_Batched":
+        sent = _Batched(self, self.write(tracked, task))
+        self.entries.append((sent, outage))
+        return sent
+
+    def write(self, tracked: QueuedTasks, task: QueuedTask, push: tuple[str, str] | None = None) -> Any:
+        """Write ``task``'s record (with its message's push, one_call.py) on the batch's
+        connection to ``tracked``'s server; the PendingEnqueue, its reply read in order."""
         key = id(tracked)
         if key not in self.conns:
             self.conns[key] = (tracked, tracked.take())
         conn = self.conns[key][1]
         try:
-            pending = tracked.send_on(conn, task)
+            return tracked.send_on(conn, task, push=push)
         except Exception:
             self._drop(conn)  # disconnected: the replies due on it are lost, never misread
             raise
-        sent = _Batched(self, pending)
-        self.entries.append((sent, outage))
-        return sent
+
+    def add(self, entry: Any, outage: PublishOutage) -> None:
+        """A record confirmed with the batch, in order: ``entry.pending.result()`` at the flush
+        (a one-call record of one_call.py, whose write happens when kombu pushes its message)."""
+        self.entries.append((entry, outage))
 
     def _drop(self, conn: Any) -> None:
-        lost = [(s, o) for s, o in self.entries if s.pending.conn is conn]
-        self.entries = [(s, o) for s, o in self.entries if s.pending.conn is not conn]
+        lost = [(s, o) for s, o in self.entries if _conn_of(s) is conn]
+        self.entries = [(s, o) for s, o in self.entries if _conn_of(s) is not conn]
         for sent, outage in lost:
             confirm(sent.pending, outage)  # fails: logged as untracked (leased at receipt)
         for key, (tracked, c) in list(self.conns.items()):
             if c is conn:
                 tracked.give_back(conn)
                 del self.conns[key]
+
+    def read_up_to(self, entry: Any) -> None:
+        """Confirm, in order, the entries before ``entry`` and take ``entry`` out (its caller
+        reads its reply next); nothing when ``entry`` was taken out already."""
+        if not any(sent is entry for sent, _ in self.entries):
+            return
+        while self.entries:
+            sent, outage = self.entries.pop(0)
+            if sent is entry:
+                return
+            confirm(sent.pending, outage)
 
     def flush(self) -> None:
         """Read every reply still due, in order, then give the connections back."""
@@ -105,6 +125,11 @@ class _Batch:
             self.conns.clear()
 
 
+def _conn_of(sent: Any) -> Any:
+    """The connection an entry's record was written on (None: not written on the batch's)."""
+    return getattr(sent.pending, "conn", None)
+
+
 class _Batched:
     """A group member's record: confirmed with the batch (``result`` reads up to it now)."""
 
@@ -116,9 +141,7 @@ class _Batched:
 
     def result(self) -> Any:
         """Its publish raised: read the replies due up to this one (forget needs the record)."""
-        while self.batch.entries:
-            sent, outage = self.batch.entries.pop(0)
-            if sent is self:
-                return self.pending.result()
-            confirm(sent.pending, outage)
+        if any(sent is self for sent, _ in self.batch.entries):
+            self.batch.read_up_to(self)
+            return self.pending.result()
         return None

@@ -32,7 +32,7 @@ from ..protocol.queued import QueuedTask, QueuedTasks
 
 logger = logging.getLogger("celery_leases.tracking")
 
-__all__ = ["OneCallRecord", "pending", "install", "same_server"]
+__all__ = ["OneCallRecord", "BatchedOneCallRecord", "pending", "install", "same_server"]
 
 #: The record waiting for its message in this context (set at before_task_publish).
 pending: ContextVar["OneCallRecord | None"] = ContextVar("celery_leases_one_call", default=None)
@@ -50,9 +50,10 @@ class OneCallRecord:
         self.error: BaseException | None = None
         self.sent = False
 
-    def push(self, channel: Any, list_key: str, payload: str) -> bool:
+    def push(self, channel: Any, list_key: str, payload: str, fallback: Any = None) -> bool:
         """Send the record with the message's LPUSH; False when the message must still be pushed
-        by kombu (the call failed before the server could have taken it, or it is unknown)."""
+        by kombu (the call failed before the server could have taken it, or it is unknown).
+        (``fallback``, kombu's own push of the message, is for a batched record's late answer.)"""
         self.sent = True
         try:
             self.reply = self.tracked.enqueue_and_push(self.task, list_key, payload)
@@ -77,6 +78,76 @@ class OneCallRecord:
         if self.error is not None:
             raise self.error
         return self.reply
+
+
+class BatchedOneCallRecord(OneCallRecord):
+    """A group member's one-call record (a chord header's, the outbox relay's rows too): its
+    record and its message's push are written on the batch's connection without waiting for
+    the answer, after the members before it (batches.py), and the answers are read once the
+    group is out, so a whole group goes out as one pipeline: one round trip, not one per member.
+
+    An answer that never comes (the connection broke) leaves it unknown whether the script
+    pushed the message: kombu pushes it then (a copy of the same publish, which the acquire
+    refuses if both arrive), and the record is held as any record the store did not take.
+    """
+
+    batched = True
+
+    def __init__(self, tracked: QueuedTasks, task: QueuedTask, batch: Any, outage: Any) -> None:
+        super().__init__(tracked, task)
+        self.batch = batch
+        #: The call written on the batch's connection (a PendingEnqueue), once kombu pushed.
+        self.written: Any = None
+        self.fallback: Any = None
+        self.done = False
+        self.pending = self  # the batch confirms ``entry.pending`` of each entry, in order
+        batch.add(self, outage)
+
+    @property
+    def conn(self) -> Any:
+        return getattr(self.written, "conn", None)
+
+    def push(self, channel: Any, list_key: str, payload: str, fallback: Any = None) -> bool:
+        if not self.tracked.can_send():  # this process's first record: sent and answered now
+            return super().push(channel, list_key, payload)
+        self.sent = True
+        try:
+            self.written = self.batch.write(self.tracked, self.task, push=(list_key, payload))
+        except Exception as exc:  # noqa: BLE001 - not written (or unknown): kombu pushes it
+            self.error = exc
+            return False
+        self.fallback = fallback
+        return True
+
+    def result(self) -> Any:
+        """The record's answer, read once (the replies before it first, in order)."""
+        if not self.done:
+            self.batch.read_up_to(self)
+        if self.done:
+            if self.error is not None:
+                raise self.error
+            return self.reply
+        self.done = True
+        try:
+            self.reply = super().result() if self.written is None else self.written.result()
+        except LeaseUnavailable as exc:
+            self.error = exc
+            if self.written is not None:
+                self._push_again()
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise
+        return self.reply
+
+    def _push_again(self) -> None:
+        try:
+            self.fallback()
+        except Exception as exc:  # noqa: BLE001 - logged by id; the held record brings it back
+            logger.error("task %s: the answer to its record and publish was lost, and kombu's own "
+                         "push of its message failed too (%r): its record is held and, once "
+                         "written, recovery re-publishes it after leases_delivery_timeout",
+                         self.task.task_id, exc)
 
 
 def same_server(channel: Any, tracked: QueuedTasks) -> bool:
@@ -111,7 +182,8 @@ def install() -> None:
                 and _headers_id(message) == record.task.task_id and same_server(self, record.tracked)):
             pending.set(None)
             key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
-            if record.push(self, key, kombu_dumps(message)):
+            if record.push(self, key, kombu_dumps(message),
+                           lambda: original(self, queue, message, **kwargs)):
                 return None
         return original(self, queue, message, **kwargs)
 

@@ -38,7 +38,7 @@ from ..exceptions import LeaseError
 from . import one_call
 from .batches import batch_groups, current_batch
 from .held_records import HeldRecord, PublishOutage, confirm, untracked
-from .one_call import OneCallRecord
+from .one_call import BatchedOneCallRecord, OneCallRecord
 from .serialize import delivery_mode_of, message_of, serialize_once
 from .undelivered import Republisher
 from ..protocol.queued import QueuedTask, QueuedTasks
@@ -161,10 +161,12 @@ def record_publish(sender: Any = None, body: Any = None, exchange: Any = None, r
             return
         batch = current_batch.get()
         sent: Any
-        if batch is None and _one_call(app) and tracked.one_call_ok():
+        if _one_call(app) and tracked.one_call_ok():
             # The store is the broker's server: the record rides with the message's LPUSH
-            # (one_call.py), or is written after the publish if kombu pushes it elsewhere.
-            sent = OneCallRecord(tracked, message)
+            # (one_call.py), or is written after the publish if kombu pushes it elsewhere; a
+            # group member's with the group's others, as one pipeline.
+            sent = OneCallRecord(tracked, message) if batch is None else \
+                BatchedOneCallRecord(tracked, message, batch, outage)
             one_call.pending.set(sent)
             pending.append(sent)
             return
@@ -202,7 +204,8 @@ def _forget(pending: list, outage: PublishOutage) -> None:
         outage.discard(sent.task.task_id)
         return
     if isinstance(sent, OneCallRecord) and not sent.sent:
-        one_call.pending.set(None)  # nothing was recorded: nothing to drop
+        one_call.pending.set(None)  # nothing was recorded: nothing to drop (nor to write later)
+        sent.sent = True
         return
     confirm(sent, outage)
     try:

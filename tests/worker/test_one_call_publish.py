@@ -97,6 +97,79 @@ def test_record_and_message_go_out_in_one_call(client_app, server, key_prefix, s
     assert all(len(starts(history, r.id)) == 1 for r in results)
 
 
+def test_a_groups_and_a_chords_members_go_out_as_one_pipeline(client_app, server, key_prefix, start_worker,
+                                                               history, monkeypatch):
+    from celery import chord, group
+
+    from celery_leases.protocol.queued import PendingEnqueue, QueuedTasks
+    # Given the order in which the publisher writes records and reads their answers
+    events: list[str] = []
+    real_send, real_result = QueuedTasks.send_on, PendingEnqueue.result
+
+    def send_on(self, conn, task, **kw):
+        events.append("push" if kw.get("push") else "record")
+        return real_send(self, conn, task, **kw)
+
+    def result(self):
+        events.append("read")
+        return real_result(self)
+
+    monkeypatch.setattr(QueuedTasks, "send_on", send_on)
+    monkeypatch.setattr(PendingEnqueue, "result", result)
+    client_app.signature(f"{TASKS}.add", (0, 0)).apply_async(ignore_result=True)  # warm-up
+    events.clear()
+    monitor = Monitor(server.url)
+    # When it publishes a group of 12 leased tasks and a chord of 6
+    members = group(client_app.signature(f"{TASKS}.add", (n, 1)) for n in range(12)).apply_async()
+    header = [client_app.signature(f"{TASKS}.add", (n, 10)) for n in range(6)]
+    body = chord(header, client_app.signature(f"{TASKS}.tsum")).apply_async()
+    lines = monitor.stop()
+    # Then each member's record and message went out in one call, and every call of a group was
+    # written before the first answer was read: one pipeline per group, not a round trip a member
+    assert Monitor.from_clients(lines, "LPUSH") == 0, lines[:40]
+    assert Monitor.in_scripts(lines, "LPUSH") == 12 + 6
+    assert events[:12] == ["push"] * 12 and events[12:24] == ["read"] * 12, " ".join(events)
+    assert events[24:30] == ["push"] * 6 and events[30:36] == ["read"] * 6, events
+    store = celery_leases.store(client_app)
+    assert all(store.get(r.id).state == "queued" for r in members.results)
+    # And a worker runs each once
+    start_worker("a", pool="threads", concurrency=4)
+    assert members.get(timeout=30) == [n + 1 for n in range(12)]
+    assert body.get(timeout=30) == sum(n + 10 for n in range(6))
+    time.sleep(0.5)
+    assert all(len(starts(history, r.id)) == 1 for r in members.results)
+
+
+def test_a_group_whose_answers_are_lost_loses_no_member_and_runs_each_once(client_app, server, start_worker,
+                                                                            history, monkeypatch):
+    from celery import group
+
+    from celery_leases.protocol.queued import PendingEnqueue
+    # Given a group's pipeline whose connection breaks after every call was written, before
+    # the first answer is read (unknown to the publisher whether each script pushed its message)
+    real_result = PendingEnqueue.result
+    broken: list = []
+
+    def result(self):
+        if not broken:
+            broken.append(self.conn)
+            self.conn.disconnect()
+        return real_result(self)
+
+    client_app.signature(f"{TASKS}.add", (0, 0)).apply_async(ignore_result=True)  # warm-up
+    monkeypatch.setattr(PendingEnqueue, "result", result)
+    # When it publishes a group of 8
+    members = group(client_app.signature(f"{TASKS}.add", (n, 1)) for n in range(8)).apply_async()
+    monkeypatch.setattr(PendingEnqueue, "result", real_result)
+    assert broken
+    # Then every member is delivered (kombu pushed a copy of those whose answer was lost, which
+    # the acquire refuses as a copy of the same publish) and runs once
+    start_worker("a", pool="threads", concurrency=4)
+    assert members.get(timeout=30) == [n + 1 for n in range(8)]
+    time.sleep(1.0)
+    assert all(len(starts(history, r.id)) == 1 for r in members.results)
+
+
 def test_a_store_apart_keeps_the_two_call_publish(server, own_server, key_prefix, redis_server_url):
     # Given the lease store on a server of its own
     leases = own_server("leases")
