@@ -15,7 +15,8 @@ written after the publish (``OneCallRecord.result``), as with another layout:
 a fanout exchange, a queue with ``x-expires``, kombu's ``global_keyprefix``, a
 broker that is not the store's server. A call whose reply is lost may have
 pushed the message: kombu's LPUSH then sends it again, and the acquire refuses
-the second copy of that publish.
+the second copy of that publish. A group's members (batches.py) go out the same
+way, as one pipeline (``BatchedOneCallRecord``).
 """
 from __future__ import annotations
 
