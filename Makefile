@@ -177,7 +177,8 @@ scale: venv
 # -- compatibility matrix ------------------------------------------------------
 # tests/deployments/test_matrix.py in one tox env per Celery minor (5.3 to 5.7), each for
 # every pool (prefork, threads, solo, gevent, eventlet) x broker (Redis,
-# RabbitMQ at $LEASES_TEST_AMQP_URL), plus the lint, type and docs envs; then
+# RabbitMQ at $LEASES_TEST_AMQP_URL), with the lease-held deliveries' tests (they
+# depend on that kombu's Redis QoS), plus the lint, type and docs envs; then
 # the table in docs/compatibility.md is rewritten from the results. Narrow it
 # with MATRIX_ENVS=celery57 LEASES_MATRIX_POOL=threads LEASES_MATRIX_BROKER=redis.
 # At most two envs at once: the machine is small and shared. Exits non-zero if
