@@ -20,7 +20,30 @@ pytest_plugins = ("celery.contrib.pytest",)
 LONG_MODULES = ("test_chaos.py", "test_celery_suite_sample.py")
 
 
+#: Fixtures that start real ``celery worker`` processes: a test using one is ``slow``.
+WORKER_FIXTURES = {"start_worker", "one_worker", "workers", "cluster", "celery_worker"}
+#: Text by which a test module starts workers itself (celery_leases.testing.Worker, the
+#: chaos cluster, the adversarial runner): its tests are ``slow`` too.
+WORKER_CALLS = ("Worker(", "Cluster(", "bench_worker(", ".worker(", "run_scenario(")
+
+
+def _starts_workers(item: pytest.Item, seen: dict) -> bool:
+    if WORKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    path = item.path
+    if path not in seen:
+        text = path.read_text("utf-8") if path.suffix == ".py" else ""
+        seen[path] = any(call in text for call in WORKER_CALLS)
+    return seen[path]
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    # Every test that runs real workers carries the `slow` marker (`-m "not slow"` is the quick
+    # suite), whether or not its module says so.
+    seen: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow") is None and _starts_workers(item, seen):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: keeps the rest in order
 
 
