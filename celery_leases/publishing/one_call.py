@@ -179,7 +179,7 @@ def install() -> None:
     def _put(self: Any, queue: str, message: Any, **kwargs: Any) -> Any:
         record = pending.get()
         if (record is not None and not record.sent and not kwargs.get("_publish_batch")
-                and not (self._expires and queue in self._expires)
+                and queue not in (getattr(self, "_expires", None) or ())  # (queue expiry: kombu 5.7)
                 and _headers_id(message) == record.task.task_id and same_server(self, record.tracked)):
             pending.set(None)
             key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
