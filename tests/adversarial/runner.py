@@ -370,6 +370,14 @@ class Run:
         state = getattr(record, "state", None)
         status = (final or {}).get("status")
         result = (final or {}).get("result")
+        if not accepted and status == "SUCCESS" and state == "succeeded" and isinstance(result, dict):
+            # The "accepted" event is written by task_success, after the finish: a worker killed
+            # in between (a pill's SIGKILL of a whole gevent or threads process) leaves none. The
+            # record is then the witness: the execution whose token it holds was accepted.
+            started = {e.get("exec") for e in events if e["ev"] == "start"}
+            if (result.get("exec") in started and record is not None
+                    and int(result.get("token") or -1) == int(record.token)):
+                accepted = {result.get("exec")}
         got = self.waiters.first.get(task_id) if self.waiters else None
         if len(accepted) > 1:
             counts.duplicates += 1
