@@ -35,18 +35,11 @@ $(VENV)/.has-package:
 	touch $@
 
 test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
-	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 -m "not long and not bench" tests/
-
-# -- the benchmarks' smoke runs ----------------------------------------------------
-# Each benchmark under bench/ run end to end at small sizes (tests/bench, marker bench):
-# they load both cores for minutes, so make test leaves them out (it stays under 10 min).
-.PHONY: bench-smoke
-bench-smoke: venv $(HIREDIS_LIB)
-	$(VENV)/bin/pytest -q -ra -n 2 -m bench tests/bench
+	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 -m "not long" tests/
 
 # -- poison pills on shared-process pools ------------------------------------------
 # Every seed and pool of the poison-pill scenarios (tests/adversarial/test_poison_pills_*.py:
-# threads and gevent with seeds 1 and 2, eventlet); make test runs threads with seed 1.
+# threads and gevent with seeds 1 and 2, eventlet); make test runs threads and gevent with seed 1.
 # Every test make test leaves out as a long form (marker long: the pill scenarios' other
 # seeds and pools, the outbox's two relays over 10,000 rows).
 .PHONY: long

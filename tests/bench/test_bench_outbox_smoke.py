@@ -10,9 +10,6 @@ from tests.support.bench_runner import run_quick_bench
 from tests.support.services import skip_or_fail
 
 
-pytestmark = pytest.mark.bench  # make bench-smoke runs these; make test leaves them out
-
-
 @pytest.mark.slow
 def test_outbox_benchmark_quick_run_prints_its_table(redis_server_url: str, tmp_path: Path) -> None:
     # Given PostgreSQL (the bench makes a database of its own there) and the session's Redis,

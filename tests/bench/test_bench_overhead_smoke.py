@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
 from celery_leases.worker.heartbeat import START_MARK_DELAY
 from tests.support.bench_runner import run_quick_bench
-
-
-pytestmark = pytest.mark.bench  # make bench-smoke runs these; make test leaves them out
 
 
 def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tmp_path: Path) -> None:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
 from tests.support.bench_runner import run_quick_bench
-
-
-pytestmark = pytest.mark.bench  # make bench-smoke runs these; make test leaves them out
 
 
 def test_recovery_benchmark_quick_run_prints_its_table(redis_server_url: str, tmp_path: Path) -> None:

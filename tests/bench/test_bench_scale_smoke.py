@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import subprocess
@@ -11,9 +9,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-pytestmark = pytest.mark.bench  # make bench-smoke runs these; make test leaves them out
 
 
 def test_scale_benchmark_quick_run_prints_its_table_and_sane_numbers(tmp_path: Path) -> None:

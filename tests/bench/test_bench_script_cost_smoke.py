@@ -1,17 +1,12 @@
 """The script-cost benchmark runs end to end under valgrind (a smoke test, not a timed one)."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-pytestmark = pytest.mark.bench  # make bench-smoke runs these; make test leaves them out
 
 
 def test_script_cost_counts_each_phase_and_prints_the_ratio_to_kombus_acks(tmp_path: Path) -> None:
