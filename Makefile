@@ -35,7 +35,7 @@ $(VENV)/.has-package:
 	touch $@
 
 test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
-	$(VENV)/bin/pytest -q -ra -n 4 --dist loadfile --durations=15 -m "not long" tests/
+	$(VENV)/bin/pytest -q -ra -n 6 --dist loadfile --durations=15 -m "not long" tests/
 
 # -- poison pills on shared-process pools ------------------------------------------
 # Every seed and pool of the poison-pill scenarios (tests/adversarial/test_poison_pills_*.py:
