@@ -9,7 +9,8 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
 - recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
-- isolation.py: on a shared-process pool, a task of uncertain blame runs alone.
+- isolation.py: on a shared-process pool, a task of uncertain blame runs alone;
+- dropped.py: which requests a consumer restart dropped.
 
 This module keeps what is left: start and stop, the per-task settings, and
 the held leases: released at once when the consumer drops its requests, when
@@ -23,10 +24,8 @@ import socket
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from celery.concurrency.base import BasePool
-from celery.worker.state import active_requests
-
 from .checks import run_checks
+from .dropped import DroppedRequests
 from ..protocol.clock import server_clock
 from ..config import LeaseConfig
 from ..exceptions import LeaseError
@@ -66,6 +65,7 @@ class LeaseWorker:
                                task_config=self.task_config, release=self.release, pool=pool, hub=hub,
                                quick_release=quick_release, prefork=prefork, isolation=isolation)
         self.revokes = Revoker(app, config, self.store, self.owner, self.heartbeat)
+        self.dropped = DroppedRequests(lambda: [h.request for _, h in self.heartbeat.held.snapshot()])
 
     # -- lifecycle --------------------------------------------------------
 
@@ -130,27 +130,14 @@ class LeaseWorker:
         return self.heartbeat.live_until(task_id, token)
 
     def release_dropped(self) -> int:
-        """Release the leases of requests the consumer dropped without running them.
-
-        On a broker connection loss Celery's consumer discards its prefetched
-        and ETA-held requests (their messages come back from the broker); they
-        will never finish here, so their leases must not be renewed any more.
-        """
+        """Release the leases of requests the consumer dropped without running them
+        (dropped.py): they will never finish here, and their messages come back."""
         self.receipt.drop_pending()
-        running = {id(request) for request in list(active_requests)}
-        # Prefork's pool discards the jobs it had not started (Consumer.on_close
-        # calls pool.flush()); the threads, solo and green pools keep theirs and
-        # still run them, so those requests keep their leases.
-        flush = getattr(getattr(self.pool, "flush", None), "__func__", None)
-        flushes = flush is not None and flush is not BasePool.flush
-
-        def dropped_by_consumer(request: Any) -> bool:
-            if request is None or id(request) in running:
-                return False
-            handed_to_pool = getattr(request, "_apply_result", None) is not None
-            return flushes or not handed_to_pool
-
-        dropped = self.heartbeat.held.select(lambda held: dropped_by_consumer(held.request))
+        try:
+            rule = self.dropped.rule()
+            dropped = self.heartbeat.held.select(lambda held: rule(held.request))
+        finally:
+            self.dropped.settled()
         if not dropped:
             return 0
         released = self.release(dropped, unstarted=True)

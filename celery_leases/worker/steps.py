@@ -256,6 +256,11 @@ class LeaseConsumerStep(bootsteps.StartStopStep):
 
     label = "Leases (consumer)"
 
+    def start(self, c: Any) -> None:
+        worker = get_worker(c.app)
+        if worker is not None:
+            worker.dropped.watch(c.pool)  # the pool has started: prefork's flush exists now
+
     def stop(self, c: Any) -> None:
         worker = get_worker(c.app)
         if worker is not None:

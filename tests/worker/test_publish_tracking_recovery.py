@@ -157,3 +157,34 @@ def test_a_task_kept_undelivered_gets_copies_at_doubling_intervals(tracked_env, 
     # And every copy reached the broker (with the original: 5 messages waiting in that queue)
     assert broker.client().llen(queue) == 5
     app.close()
+
+
+def test_a_job_written_to_a_paused_child_keeps_its_lease_across_a_broker_reconnect(
+        tracked_app, broker, start_tracked_worker, history, key_prefix):
+    # Given a single-process prefork worker whose idle pool process is paused (SIGSTOP)
+    import os
+    import signal
+    worker = start_tracked_worker("a", concurrency=1)
+    sig = tracked_app.signature
+    assert sig(f"{TASKS}.sleep_then_echo", ("warm", 0.0)).delay().get(timeout=20) == "warm"
+    (child,) = worker.children()
+    os.kill(child, signal.SIGSTOP)
+    try:
+        # And a task the worker leased and wrote to that process's pipe, which the process
+        # has not read yet (so the worker's pool never saw it accepted)
+        result = sig(f"{TASKS}.sleep_then_echo", ("once", 0.2)).delay()
+        store = celery_leases.store(tracked_app)
+        wait_for(lambda: store.get(result.id).state == "active", 15, what="the task to be leased")
+        time.sleep(0.5)  # the pool writes the job to the idle process's pipe
+        # When the broker's server restarts: the consumer restarts and its pool drops the jobs
+        # it had not seen accepted, while the paused process will still run the one it was given
+        lose_everything_in(broker, key_prefix)
+        time.sleep(1.0)  # the consumer reconnects, and gets back the message it held in memory
+    finally:
+        os.kill(child, signal.SIGCONT)
+    # Then the task runs once: the process that was given it keeps the lease, and the copy
+    # the worker put back is refused while that lease is held
+    assert result.get(timeout=30) == "once"
+    time.sleep(2.0)
+    assert len(starts(history, result.id)) == 1, starts(history, result.id)
+    assert store.get(result.id).state == "succeeded"
