@@ -15,7 +15,8 @@ LEASES_BENCH_DELIVERY_TIMEOUT: publish tracking, seconds (default 600, the packa
 default; 0 turns it off); it changes only what a publisher does;
 LEASES_BENCH_PROFILE: a directory: the worker's main thread and each prefork pool
 process run under cProfile (CPU time of the thread) and write ``main-PID.prof`` / ``pool-PID.prof`` there
-when they exit (``python -m pstats FILE``).
+when they exit (``python -m pstats FILE``); with LEASES_BENCH_PROFILE_THREADS=1 also every
+thread started later (a threads pool's), merged into ``threads-PID.prof``.
 
 Everything else is Celery's default (prefetch multiplier 4, results stored,
 acks early; ``bench.noop_ignored`` and ``bench.leased_noop_ignored`` have
@@ -118,8 +119,36 @@ def _profile(directory: str) -> None:
             profile.disable()
             profile.dump_stats(os.path.join(directory, f"{kind}-{os.getpid()}.prof"))
 
-    worker_init.connect(lambda **kw: start("main"), weak=False)
-    worker_shutdown.connect(lambda **kw: dump("main"), weak=False)
+    threads: list = []
+
+    def in_each_thread(*args: object) -> None:
+        # A thread started after worker_init (a threads pool's, the heartbeat's) profiles
+        # itself from its first call: one profile per thread, merged at shutdown.
+        import sys
+        sys.setprofile(None)
+        profile = cProfile.Profile(time.thread_time)
+        threads.append(profile)
+        profile.enable()
+
+    def dump_threads() -> None:
+        import pstats
+        import threading
+        threading.setprofile(None)
+        stats = None
+        for profile in threads:
+            profile.create_stats()
+            stats = pstats.Stats(profile) if stats is None else stats.add(profile) or stats
+        if stats is not None:
+            stats.dump_stats(os.path.join(directory, f"threads-{os.getpid()}.prof"))
+
+    def start_main(**kw: object) -> None:
+        start("main")
+        if os.environ.get("LEASES_BENCH_PROFILE_THREADS"):
+            import threading
+            threading.setprofile(in_each_thread)
+
+    worker_init.connect(start_main, weak=False)
+    worker_shutdown.connect(lambda **kw: (dump("main"), dump_threads()), weak=False)
     worker_process_init.connect(lambda **kw: start("pool"), weak=False)
     worker_process_shutdown.connect(lambda **kw: dump("pool"), weak=False)
 

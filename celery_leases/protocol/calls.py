@@ -23,7 +23,7 @@ from ..exceptions import LeaseError, LeaseLost
 from .codes import Code
 from .connection import describe
 from .errors import lease_error
-from .transport.direct import BUSY, DirectCaller
+from .transport.direct import DirectCaller
 from .transport.direct import supported as direct_supported
 
 if TYPE_CHECKING:
@@ -90,11 +90,9 @@ class ScriptCalls:
             direct = self.direct
             if direct is not None:
                 try:
-                    reply = direct.call(script.sha, keys, args)
+                    return direct.call(script.sha, keys, args)
                 except NoScriptError:
                     return reload(self.client, script, keys, args)
-                if reply is not BUSY:
-                    return reply
             return call_script(self.client, script, keys, args)
         except Exception as exc:
             self._raise(script, exc, what)

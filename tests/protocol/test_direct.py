@@ -1,7 +1,8 @@
 """Script calls on the process's own connection (celery_leases/protocol/transport/direct.py), on real Redis servers.
 
 What must hold: the replies are the ones redis-py would give, a forked child
-never touches its parent's socket, a second thread is never kept waiting, a
+never touches its parent's socket, threads calling at once share writes and
+each gets its own reply (a broken write fails each call it carried), a
 connection that went stale is replaced, a timeout is never sent twice, and a
 demoted (read-only) server counts as unavailable.
 """
@@ -20,7 +21,8 @@ import pytest
 import redis
 
 from celery_leases import Code, LeaseStore
-from celery_leases.protocol.transport.direct import BUSY, DirectCaller
+from celery_leases.protocol.transport.direct import DirectCaller
+from celery_leases.testing import wait_for
 from celery_leases.exceptions import LeaseUnavailable
 from celery_leases.testing.servers import RedisServer
 from celery_leases.protocol.scripts import scripts
@@ -92,22 +94,16 @@ def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents_alone(st
         lifecycle(store, f"parent-{i}")
 
 
-def test_a_second_thread_is_not_kept_waiting_for_the_connection(store):
-    # Given the direct connection held by one caller
+def test_threads_calling_at_once_share_writes_and_each_gets_its_own_answer(store):
+    # Given eight threads that each run 40 task lifecycles (acquire, finish) at once
     direct = store.calls.direct
-    direct._lock.acquire()
-    try:
-        # Then another caller is told to use redis-py instead of waiting
-        assert direct.call(scripts.release.sha, ["k"], []) is BUSY
-        # And the store's calls still succeed meanwhile (through redis-py)
-        lifecycle(store, "while-busy")
-    finally:
-        direct._lock.release()
-    # And many threads at once all get their own, correct answers
+    calls0, writes0 = direct.calls, direct.writes
     errors: list[BaseException] = []
+    start = threading.Barrier(8)
 
     def worker(n: int) -> None:
         try:
+            start.wait()
             for i in range(40):
                 lifecycle(store, f"thread-{n}-{i}", owner=f"w{n}")
         except BaseException as exc:  # noqa: BLE001
@@ -118,7 +114,56 @@ def test_a_second_thread_is_not_kept_waiting_for_the_connection(store):
         t.start()
     for t in threads:
         t.join(60)
+    # Then every call got its own, correct answer (lifecycle checks each one)
     assert errors == []
+    # And every call went over the direct connection, calls that came together in one write
+    calls, writes = direct.calls - calls0, direct.writes - writes0
+    assert calls >= 8 * 40 * 2 and writes < calls, (calls, writes)
+    assert not direct._queue and not direct._writing
+
+
+def test_a_broken_write_fails_every_call_it_carried_and_the_next_call_reconnects(store, monkeypatch):
+    # Given a caller whose write is on the wire and two more queued behind it
+    direct = store.calls.direct
+    lifecycle(store, "warm")
+    gate, entered = threading.Event(), threading.Event()
+    real = direct._round_trip
+
+    def stalled(commands, n, pid):
+        if n > 1:  # the queued callers' shared write: the connection breaks under it
+            direct._drop()
+            raise ConnectionResetError("the server went away mid-write")
+        entered.set()
+        gate.wait(10)
+        return real(commands, n, pid)
+
+    monkeypatch.setattr(direct, "_round_trip", stalled)
+    outcomes: dict = {}
+
+    def call(name: str) -> None:
+        try:
+            outcomes[name] = store.acquire(f"{name}-task", f"owner-{name}")
+        except BaseException as exc:  # noqa: BLE001
+            outcomes[name] = exc
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert entered.wait(10)
+    others = [threading.Thread(target=call, args=(name,)) for name in ("second", "third")]
+    for t in others:
+        t.start()
+    wait_for(lambda: len(direct._queue) == 2, 10, what="two callers queued behind the write")
+    gate.set()
+    for t in [first, *others]:
+        t.join(20)
+    # Then the first call succeeds, and both calls of the broken write fail, named (none hangs)
+    assert outcomes["first"].token >= 1
+    for name in ("second", "third"):
+        assert isinstance(outcomes[name], LeaseUnavailable), outcomes
+    assert not direct._queue and not direct._writing
+    # And the next call opens a new connection and succeeds
+    monkeypatch.setattr(direct, "_round_trip", real)
+    assert store.acquire("after-task", "owner-after").token >= 1
 
 
 def test_a_connection_the_server_dropped_is_replaced_and_the_call_succeeds(store, redis_client):
@@ -270,7 +315,7 @@ def test_a_reply_read_in_many_pieces_is_parsed_once(use_hiredis, monkeypatch):
 
         real_parse = direct.parse
         monkeypatch.setattr(direct, "Scanner", CountingScanner)
-        monkeypatch.setattr(direct, "parse", lambda buf: parses.append(len(buf)) or real_parse(buf))
+        monkeypatch.setattr(direct, "parse", lambda buf, pos=0: parses.append(len(buf)) or real_parse(buf, pos))
 
     # When it is read
     sock = ChunkedSocket(data)
@@ -312,3 +357,23 @@ def test_a_cut_reply_waits_for_its_end_and_extra_bytes_are_refused():
     with pytest.raises(redis.ConnectionError, match="unexpected bytes"):
         read_reply(ChunkedSocket(b":1\r\n:2\r\n"), use_hiredis=False)
     assert pack("SET", "k", 1.5, 2) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\n1.5\r\n$1\r\n2\r\n"
+
+
+@pytest.mark.parametrize("use_hiredis", [False, True], ids=["scanner", "hiredis"])
+def test_the_replies_of_a_shared_write_are_read_in_order_however_they_are_cut(use_hiredis):
+    from celery_leases.protocol.transport import direct
+    from celery_leases.protocol.transport.direct import read_replies
+    if use_hiredis and direct._HiredisReader is None:
+        return run_with_hiredis(
+            "test_the_replies_of_a_shared_write_are_read_in_order_however_they_are_cut[hiredis]")
+    # Given the replies of three calls written together: an array, an error, an integer
+    data = b"*2\r\n:1\r\n$3\r\nabc\r\n-NOSCRIPT No matching script\r\n:7\r\n"
+    for chunk in (1, 5, len(data)):
+        # When they arrive cut at every byte, every 5 bytes, or in one read
+        first, error, last = read_replies(ChunkedSocket(data, chunk=chunk), 3, use_hiredis=use_hiredis)
+        # Then each call gets its own reply, the error as redis-py's exception for it
+        assert (first, last) == ([1, b"abc"], 7)
+        assert isinstance(error, redis.exceptions.NoScriptError)
+    # And a fourth reply's bytes after the three mean the connection is out of step
+    with pytest.raises(redis.ConnectionError, match="unexpected bytes"):
+        read_replies(ChunkedSocket(data + b":8\r\n"), 3, use_hiredis=use_hiredis)

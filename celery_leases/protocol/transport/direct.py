@@ -13,11 +13,17 @@ Rules that keep it as safe as redis-py:
 
 - one connection per process: a forked child never touches the socket it
   inherited, it opens its own;
-- one caller at a time: a second thread (threads pool) goes through redis-py
-  instead of waiting for the connection;
+- one writer at a time, and callers share its writes (group commit): a
+  thread (threads pool, green threads) that calls while another's commands
+  are on the wire queues its command; the next write carries every command
+  queued by then, and their replies come back in one read. Each caller still
+  gets its own reply before it returns; a worker whose eight threads finish
+  together makes one round trip instead of eight, and none of them goes
+  through redis-py;
 - any error closes the connection; a connection error (not a timeout) on a
   connection held from an earlier call (the server restarted, a failover)
-  sends the call once more on a new one, as redis-py's default retry does;
+  sends the call (the whole write) once more on a new one, as redis-py's
+  default retry does;
 - an error reply that says the server cannot serve us now (``READONLY``
   from a master demoted under us, ``LOADING``, ``MASTERDOWN``: errors.py)
   closes the connection, as redis-py's Sentinel connections do, and is
@@ -43,31 +49,36 @@ try:  # redis-py's C parser, when installed (the "hiredis" extra): it buffers an
 except ImportError:  # pragma: no cover - depends on the environment
     _HiredisReader = None
 
-#: Returned by ``call`` when another thread holds the connection: use redis-py.
-BUSY = object()
-
-
 def read_reply(sock: Any, *, use_hiredis: bool | None = None) -> Any:
-    """Read one reply from ``sock``; an error reply is returned as its exception.
+    """Read one reply from ``sock``; an error reply is returned as its exception."""
+    return read_replies(sock, 1, use_hiredis=use_hiredis)[0]
+
+
+def read_replies(sock: Any, n: int, *, use_hiredis: bool | None = None) -> list:
+    """Read the next ``n`` replies from ``sock``; error replies are returned as their exceptions.
 
     The bytes are buffered linearly: with hiredis (when installed) its Reader
-    is fed each read; else ``Scanner`` finds the reply's end as the reads come
-    in and the reply is parsed once. Bytes after the reply mean the connection
-    is out of step.
+    is fed each read; else ``Scanner`` finds the replies' end as the reads come
+    in and each reply is parsed once. Bytes after the last reply mean the
+    connection is out of step.
     """
     if _HiredisReader is not None and use_hiredis is not False:
-        reader = _HiredisReader(replyError=ResponseError)
+        reader, replies = _HiredisReader(replyError=ResponseError), []
         while True:
             data = sock.recv(65536)
             if not data:
                 raise RedisConnectionError("the server closed the connection")
             reader.feed(data)
-            reply = reader.gets()
-            if reply is not False:
+            while len(replies) < n:
+                reply = reader.gets()
+                if reply is False:
+                    break
+                replies.append(_error_class(reply))
+            if len(replies) == n:
                 if reader.has_data():
                     raise RedisConnectionError("unexpected bytes after a reply")
-                return _error_class(reply)
-    buffer, scanner = bytearray(), Scanner()
+                return replies
+    buffer, scanner = bytearray(), Scanner(n)
     while True:
         data = sock.recv(65536)
         if not data:
@@ -78,7 +89,11 @@ def read_reply(sock: Any, *, use_hiredis: bool | None = None) -> Any:
             continue
         if end != len(buffer):
             raise RedisConnectionError(f"{len(buffer) - end} unexpected bytes after a reply")
-        return parse(buffer)[0]
+        replies, pos = [], 0
+        for _ in range(n):
+            reply, pos = parse(buffer, pos)
+            replies.append(reply)
+        return replies
 
 
 def _error_class(reply: Any) -> Any:
@@ -120,51 +135,119 @@ def supported(client: Any) -> bool:
     return not getattr(pool, "connection_kwargs", {}).get("decode_responses")
 
 
+_PENDING = object()
+
+
+class _Call:
+    """One caller's command, and its reply once read (or why there is none)."""
+
+    __slots__ = ("command", "done", "reply", "error", "lead")
+
+    def __init__(self, command: bytes) -> None:
+        self.command = command
+        self.done = threading.Event()
+        self.reply: Any = _PENDING
+        self.error: BaseException | None = None
+        #: Woken to write the queue, not with a reply.
+        self.lead = False
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
 class DirectCaller:
     """EVALSHA on this process's own connection; see the module docstring."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = 0
-        #: Calls sent here (each one round trip), for benchmarks and tests.
-        self.calls = 0
+        self._reset(os.getpid())
+        #: Calls sent here, and the writes (each one round trip) that carried them.
+        self.calls = self.writes = 0
+
+    def _reset(self, pid: int) -> None:
+        """This process's own queue (a forked child starts with an empty one)."""
+        self._lock = threading.Lock()
+        self._queue: list[_Call] = []
+        self._writing = False
+        self._queue_pid = pid
 
     def call(self, sha: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """The script's reply; an error reply is raised as redis-py's exception for it."""
-        if not self._lock.acquire(blocking=False):
-            return BUSY
-        try:
-            command = pack("EVALSHA", sha, len(keys), *keys, *args)
+        me = _Call(pack("EVALSHA", sha, len(keys), *keys, *args))
+        pid = os.getpid()
+        if self._queue_pid != pid:
+            self._reset(pid)
+        with self._lock:
             self.calls += 1
-            pid = os.getpid()
+            self._queue.append(me)
+            lead = not self._writing
+            self._writing = True
+        if not lead:
+            me.done.wait()
+            if not me.lead:
+                return me.result()
+        try:
+            with self._lock:
+                batch, self._queue = self._queue, []
+            self._write(batch, pid)
+        finally:
+            with self._lock:  # the next queued caller writes; else the writer is idle
+                if self._queue:
+                    self._queue[0].lead = True
+                    self._queue[0].done.set()
+                else:
+                    self._writing = False
+        return me.result()
+
+    def _write(self, batch: list[_Call], pid: int) -> None:
+        """Send ``batch`` in one write, give each its reply, wake the others."""
+        try:
+            self.writes += 1
             if self._pid != pid:
                 self._conn = None  # the parent's socket: never read or write it here
             reused = self._conn is not None
+            commands = b"".join(call.command for call in batch)
             try:
-                reply = self._round_trip(command, pid)
+                replies = self._round_trip(commands, len(batch), pid)
             except (RedisConnectionError, ConnectionError):
                 # Not a timeout: a script that may have run is not sent twice.
                 if not reused:
                     raise
-                reply = self._round_trip(command, pid)  # the held connection had gone stale
-            if isinstance(reply, Exception):
-                if isinstance(lease_error(reply, "EVALSHA"), LeaseUnavailable):
-                    self._drop()  # a reconnect may reach the new master
-                raise reply
-            return reply
+                replies = self._round_trip(commands, len(batch), pid)  # the held connection had gone stale
+            for call, reply in zip(batch, replies):
+                if isinstance(reply, Exception):
+                    if isinstance(lease_error(reply, "EVALSHA"), LeaseUnavailable):
+                        self._drop()  # a reconnect may reach the new master
+                    call.error = reply
+                else:
+                    call.reply = reply
+        except BaseException as exc:
+            # Every caller of the write learns why it has no reply; none waits for ever. An
+            # interruption aimed at the writing thread itself (a green timeout) stays its own.
+            error = exc if isinstance(exc, Exception) else \
+                RedisConnectionError(f"the write of {len(batch)} call(s) was interrupted: {exc!r}")
+            for call in batch:
+                if call.error is None and call.reply is _PENDING:
+                    call.error = error
+            if error is not exc:
+                raise
         finally:
-            self._lock.release()
+            for call in batch:
+                call.lead = False
+                call.done.set()
 
-    def _round_trip(self, command: bytes, pid: int) -> Any:
+    def _round_trip(self, commands: bytes, n: int, pid: int) -> list:
         if self._conn is None:
             self._conn = open_connection(self.client)
             self._pid = pid
         sock = self._conn._sock
         try:
-            sock.sendall(command)
-            return read_reply(sock)
+            sock.sendall(commands)
+            return read_replies(sock, n)
         except BaseException:
             # A reply may still be on its way: the connection is unusable now.
             self._drop()
@@ -176,4 +259,4 @@ class DirectCaller:
             close_connection(self.client, conn)
 
 
-__all__ = ["DirectCaller", "BUSY", "open_connection", "close_connection", "supported", "read_reply"]
+__all__ = ["DirectCaller", "open_connection", "close_connection", "supported", "read_reply", "read_replies"]

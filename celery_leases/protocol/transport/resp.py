@@ -111,7 +111,8 @@ def parse(buf: bytes | bytearray, pos: int = 0) -> tuple[Any, int]:
 
 
 class Scanner:
-    """Where the reply at the start of a growing buffer ends, resumed from where it stopped.
+    """Where the reply (or the first ``replies`` replies) at the start of a growing buffer
+    ends, resumed from where it stopped.
 
     ``end(buf)`` after each read: None until the whole reply is in, then the
     offset after it. Only headers are looked at (a bulk string's body is
@@ -120,11 +121,11 @@ class Scanner:
 
     __slots__ = ("pos", "pending")
 
-    def __init__(self) -> None:
+    def __init__(self, replies: int = 1) -> None:
         #: Offset of the next element header to read.
         self.pos = 0
-        #: Elements still to come at each open array depth (the reply itself is one).
-        self.pending = [1]
+        #: Elements still to come at each open array depth (the replies themselves first).
+        self.pending = [replies]
 
     def end(self, buf: bytes | bytearray) -> int | None:
         pending = self.pending
