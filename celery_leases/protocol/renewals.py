@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from .calls import ms
 from .codes import Code
@@ -75,21 +75,25 @@ def renew_many(core: StoreCore, owner: str, leases: Mapping[str, int], *, ttl: f
             gc.enable()
 
 
-def release(core: StoreCore, owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
+def release(core: StoreCore, owner: str, leases: Mapping[str, int], *, started: Collection[str] = (),
+            hand_back: bool = False) -> int:
     """Make these leases due now so they are recovered without waiting out the ttl.
 
-    ``unstarted`` marks leases whose task never ran (a warm shutdown's
-    prefetched messages): taking them over then counts no recovery.
+    release.lua decides from each record whether the release costs a recovery
+    (its body started) or not; ``started`` names the leases whose start the
+    caller knows and whose start mark may not have reached the record yet (it
+    rides with the release). ``hand_back``: the body gave the task back on
+    purpose (Celery's Reject(requeue=True)), never a death.
     """
     if not leases:
         return 0
     calls = []
     for index, task_ids in core.keys.by_shard(leases).items():
         keys = [core.keys.shard(index).deadlines]
-        args: list[Any] = [owner, 1 if unstarted else 0]
+        args: list[Any] = [owner, 1 if hand_back else 0]
         for task_id in task_ids:
             keys.append(core.keys.record(task_id))
-            args += [task_id, int(leases[task_id])]
+            args += [task_id, int(leases[task_id]), 1 if task_id in started else 0]
         calls.append((keys, args))
     released = 0
     for reply in core.calls.run_many(scripts.release, calls, f"{len(leases)} leases of {owner}"):

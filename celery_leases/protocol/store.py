@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import redis
 
@@ -266,9 +266,11 @@ class LeaseStore(StoreCore):
         """Renew leases ``owner`` holds in one call per shard; the ones not renewed, with why (renewals.py)."""
         return renewals.renew_many(self, owner, leases, ttl=ttl, check_progress=check_progress)
 
-    def release(self, owner: str, leases: Mapping[str, int], *, unstarted: bool = False) -> int:
-        """Make these leases due now, for recovery without waiting out the ttl (renewals.py)."""
-        return renewals.release(self, owner, leases, unstarted=unstarted)
+    def release(self, owner: str, leases: Mapping[str, int], *, started: Collection[str] = (),
+                hand_back: bool = False) -> int:
+        """Make these leases due now, for recovery without waiting out the ttl; the record
+        decides whether that costs a recovery (renewals.py, release.lua)."""
+        return renewals.release(self, owner, leases, started=started, hand_back=hand_back)
 
     def mark_started(self, owner: str, leases: Mapping[str, int], *, alone: bool = False) -> int:
         """Record that the bodies of these leases started running (renewals.py); ``alone``:

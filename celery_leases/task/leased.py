@@ -166,7 +166,7 @@ class LeasedTask(Task):
                 # lease, no longer renewed, expires for recovery to re-run the task.
                 try:
                     self._store_call(lambda: lease.store.release(
-                        lease.owner, {lease.task_id: lease.token}, unstarted=True), lease)
+                        lease.owner, {lease.task_id: lease.token}, hand_back=True), lease)
                 except LeaseError as error:
                     logger.warning("task %s[%s]: lease (token %s) not released for its requeued copy "
                                    "(%s); recovery re-runs the task once the lease expires",

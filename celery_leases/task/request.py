@@ -196,7 +196,8 @@ class LeasedRequest(Request):
         cancelled = self._already_cancelled and isinstance(exc, (Terminated, SystemExit, KeyboardInterrupt))
         if isinstance(exc, (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)):
             # A recovery case, not a failure: waiters keep waiting for the re-run.
-            released = worker.release({self.id: token})
+            # The pool process that ran it is gone or was stopped: it started, a death.
+            released = worker.release({self.id: token}, started={self.id})
             logger.warning("task %s[%s]: %s (%r); lease %s for recovery, no FAILURE stored",
                            self.name, self.id, "cancelled by Celery" if cancelled else "pool process lost",
                            exc, "released" if released else "was no longer held")

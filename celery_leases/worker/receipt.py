@@ -226,7 +226,7 @@ class Receipt:
             # (broker reconnect, shutdown): never run it; recovery takes the lease at once.
             state.deferred = None
             if isinstance(result, Acquisition) and result.owned:
-                self.release({request.id: result.token}, unstarted=True)
+                self.release({request.id: result.token})
             return
         try:
             if isinstance(result, Acquisition):
@@ -251,7 +251,7 @@ class Receipt:
                             "released for recovery", request.name, request.id, exc, exc_info=True)
             token = request.request_dict.get("lease_token")
             if token is not None:
-                self.release({request.id: token}, unstarted=True)
+                self.release({request.id: token})
 
     def _acquire_failed(self, request: Any, exc: BaseException, due: bool) -> None:
         """The one rule for errors at receipt: transient -> later, with backoff; anything else -> parked."""

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 from .checks import run_checks
 from .dropped import DroppedRequests
@@ -86,20 +86,20 @@ class LeaseWorker:
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)
 
-    def stop(self, unstarted: bool) -> None:
-        """Release what is still held and stop the heartbeat."""
+    def stop(self) -> None:
+        """Release what is still held and stop the heartbeat.
+
+        The start marks of the tasks the pool started ride with the release, and
+        each record decides whether its release costs a recovery (release.lua):
+        prefetched tasks cost none, tasks a cold shutdown cut short cost one.
+        """
         self.revokes.stop()
         self.receipt.stop()
         held = [(task_id, h) for task_id, h in self.heartbeat.held.snapshot() if not h.lost]
-        # Leases whose task never started are released unstarted whatever the caller
-        # says: their next owner must not count a recovery for them.
-        groups = {True: {t: h.token for t, h in held if unstarted or not h.started},
-                  False: {t: h.token for t, h in held if not unstarted and h.started}}
-        for flag, leases in groups.items():
-            if not leases:
-                continue
+        if held:
+            leases = {task_id: h.token for task_id, h in held}
             try:
-                n = self.store.release(self.owner, leases, unstarted=flag)
+                n = self.store.release(self.owner, leases, started={t for t, h in held if h.started})
                 logger.info("celery-leases: released %d lease(s) at shutdown", n)
             except LeaseError as exc:
                 logger.error("celery-leases: could not release %d lease(s) at shutdown; they will "
@@ -140,17 +140,25 @@ class LeaseWorker:
             self.dropped.settled()
         if not dropped:
             return 0
-        released = self.release(dropped, unstarted=True)
+        released = self.release(dropped)
         logger.info("celery-leases: released %d lease(s) of requests the consumer dropped "
                     "(broker reconnect or shutdown)", released)
         return released
 
-    def release(self, leases: dict, unstarted: bool = False) -> int:
-        """Give ``leases`` (task id -> token) back now: no longer renewed, free for the next owner."""
+    def release(self, leases: dict, started: Collection[str] = ()) -> int:
+        """Give ``leases`` (task id -> token) back now: no longer renewed, free for the next owner.
+
+        Whether that costs a recovery is the record's to say (release.lua); the start
+        marks still waiting in the heartbeat ride along, and ``started`` adds the tasks
+        the caller knows started (a pool process died running it).
+        """
+        marks = set(started)
         for task_id, token in leases.items():
-            self.heartbeat.forget(task_id, token)
+            held = self.heartbeat.forget(task_id, token)
+            if held is not None and held.started:
+                marks.add(task_id)
         try:
-            return self.store.release(self.owner, leases, unstarted=unstarted)
+            return self.store.release(self.owner, leases, started=marks)
         except LeaseError as exc:
             logger.error("could not release lease(s) %s; recovery will take them after the ttl: %s",
                          ", ".join(leases), exc)

@@ -166,7 +166,7 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def terminate(self, w: Any) -> None:
         if self.lease_worker is not None:
-            self.lease_worker.stop(unstarted=False)
+            self.lease_worker.stop()
 
 
 def _redis_broker(app: Any) -> bool:
@@ -297,7 +297,7 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     worker = get_worker(app) if app is not None else None
     if worker is not None:
-        # The pool has finished: whatever is still held never started.
-        worker.stop(unstarted=True)
+        # The pool has finished: each record says whether what is still held ever started.
+        worker.stop()
         set_worker(app, None)
     held.uninstall()

@@ -168,7 +168,7 @@ def test_worker_start_runs_the_checks_and_still_fails_without_redis(server, capl
         assert any(r.name == "celery_leases.checks" and "allkeys-random" in r.getMessage()
                    and r.levelno == logging.ERROR for r in caplog.records)
     finally:
-        worker.stop(unstarted=False)
+        worker.stop()
     # And with Redis unreachable, the start fails naming leases_redis_url, as before
     down = app_for(f"redis://:pw@127.0.0.1:{free_port()}/0", broker_connection_retry_on_startup=False)
     with pytest.raises(LeaseUnavailable, match="leases_redis_url"):

@@ -234,14 +234,14 @@ def test_release_lets_a_requeued_delivery_take_over_at_once(store):
 
 def test_leases_released_unstarted_count_no_recovery(make_store):
     # Given a task that already used its only recovery, and one never recovered,
-    # both prefetched by A and released unstarted at A's warm shutdown
+    # both prefetched by A (never marked started) and released at A's warm shutdown
     store = make_store(max_recoveries=1)
     acquire(store, "used", A, ttl=SHORT)
     wait_out()
-    used = acquire(store, "used", A)
+    used = acquire(store, "used", A, started=False)
     assert used.recoveries == 1
-    fresh = acquire(store, "fresh", A)
-    assert store.release(A, {"used": used.token, "fresh": fresh.token}, unstarted=True) == 2
+    fresh = acquire(store, "fresh", A, started=False)
+    assert store.release(A, {"used": used.token, "fresh": fresh.token}) == 2
 
     # When a redelivery takes one over and a recovery pass claims the other
     took = acquire(store, "used", B)
@@ -250,6 +250,40 @@ def test_leases_released_unstarted_count_no_recovery(make_store):
     # Then neither counts a recovery, and the used-up task is not dead
     assert (took.code, took.recoveries) == (Code.TAKEN_OVER, 1)
     assert (claim.task_id, claim.code, claim.recoveries) == ("fresh", Code.RECOVERED, 0)
+
+
+def test_the_record_decides_what_a_release_costs_and_a_riding_start_mark_counts(make_store):
+    # Given A holds three leases: one marked started, one whose start mark has not reached the
+    # store yet (it rides with the release), and one prefetched that never started
+    store = make_store(max_recoveries=3)
+    ran = acquire(store, "ran", A)
+    riding = acquire(store, "riding", A, started=False)
+    waiting = acquire(store, "waiting", A, started=False)
+
+    # When A's pool process dies and A releases them all, naming the start it knows of
+    assert store.release(A, {"ran": ran.token, "riding": riding.token, "waiting": waiting.token},
+                         started={"riding"}) == 3
+
+    # Then the two that started cost a recovery when taken over; the prefetched one none
+    taken = {t: acquire(store, t, B) for t in ("ran", "riding", "waiting")}
+    assert {t: (a.code, a.recoveries) for t, a in taken.items()} == {
+        "ran": (Code.TAKEN_OVER, 1), "riding": (Code.TAKEN_OVER, 1), "waiting": (Code.TAKEN_OVER, 0)}
+
+
+def test_a_hand_back_costs_no_recovery_though_the_body_started(make_store):
+    # Given a task whose body started and gave the task back (Reject(requeue=True))
+    store = make_store(max_recoveries=1)
+    acq = acquire(store, "t1", A)
+    assert store.release(A, {"t1": acq.token}, hand_back=True) == 1
+
+    # When its requeued copy takes it over, twice over
+    first = acquire(store, "t1", B)
+    assert store.release(B, {"t1": first.token}, hand_back=True) == 1
+    second = acquire(store, "t1", A)
+
+    # Then neither hand-back counted a recovery: the task is not dead
+    assert (first.code, first.recoveries) == (Code.TAKEN_OVER, 0)
+    assert (second.code, second.recoveries) == (Code.TAKEN_OVER, 0)
 
 
 def test_only_leases_marked_started_count_a_recovery(make_store):

@@ -378,20 +378,21 @@ class LeaseModel(RuleBasedStateMachine):
             m.deadline = Window.around(t0, t1, m.ttl)
             m.progress_deadline = Window.around(t0, t1, m.progress_timeout)
 
-    @rule(data=st.data(), unstarted=st.booleans())
-    def release(self, data, unstarted):
+    @rule(data=st.data(), hand_back=st.booleans())
+    def release(self, data, hand_back):
         owner = self._holder(data)
         leases = dict(self.held[owner])
         mine = [t for t, token in leases.items()
                 if self.tasks[t].state == "active" and self.tasks[t].token == token
                 and self.tasks[t].owner == owner]
         t0 = time.monotonic()
-        released = self.store.release(owner, leases, unstarted=unstarted)
+        # (The model's leases are all marked started: only a hand-back costs no recovery.)
+        released = self.store.release(owner, leases, hand_back=hand_back)
         t1 = time.monotonic()
         assert released == len(mine), f"release by {owner}: {released} released, model {mine}"
         for task_id in mine:
             m = self.tasks[task_id]
-            m.owner, m.unstarted, m.deadline = "", unstarted, Window.around(t0, t1)
+            m.owner, m.unstarted, m.deadline = "", hand_back, Window.around(t0, t1)
 
     @rule(task_id=st.sampled_from(TASKS))
     def holder_crashes_then_recovery_runs(self, task_id):

@@ -37,6 +37,10 @@
                              write terminal ``state`` (and the extra field/value pairs
                              ``...``): the holder, the deadline and the stored message go,
                              the record is kept ``retention`` ms for late duplicates
+  keep_token(seq, stats, token)
+                             the one rule of a re-assert (a holder whose record vanished): raise
+                             the token sequence to ``token`` so no later acquire hands it out
+                             again, and count it; nil, or the CORRUPT reply for a corrupt sequence
   reassert_record(key, seq, stats, task_id, owner, token, now)
                              re-create a vanished record for the holder of ``token`` (a
                              failover lost the write that created it) and raise the token
@@ -215,15 +219,20 @@ local function end_lease(key, deadlines, message, task_id, state, now, retention
   redis.call('PEXPIRE', key, retention)
 end
 
-local function reassert_record(key, seq, stats, task_id, owner, token, now)
-  local tok = string.format('%d', token)
+local function keep_token(seq, stats, token)
   local raw = redis.call('GET', seq)
   if raw and not whole(raw) then return corrupt(seq, 'value', 'is not a number: ' .. string.format('%q', raw)) end
-  local seen = raw and whole(raw) or 0
-  if seen < token then redis.call('SET', seq, tok) end
+  if (raw and whole(raw) or 0) < token then redis.call('SET', seq, string.format('%d', token)) end
+  count(stats, 'reasserted', 1)
+  return nil
+end
+
+local function reassert_record(key, seq, stats, task_id, owner, token, now)
+  local tok = string.format('%d', token)
+  local bad = keep_token(seq, stats, token)
+  if bad then return bad end
   redis.call('HSET', key, 'task_id', task_id, 'token', tok, 'owner', owner, 'acquired_at', now,
              history_fields(key, 0, tok .. '@' .. owner .. '@' .. string.format('%d', now)))
-  count(stats, 'reasserted', 1)
   return nil
 end
 

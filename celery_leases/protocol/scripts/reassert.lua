@@ -71,9 +71,8 @@ if rec.state then
 end
 
 local now = now_ms()
-count(stats, 'reasserted', 1)
 -- The sequence may have lost increments along with the record: keep it at or above this token.
-if tonumber(sequence or '0') < token then redis.call('SET', seq, string.format('%d', token)) end
+keep_token(seq, stats, token)
 activate(key, deadlines, stats, message, {
   task_id = task_id, owner = owner, token = token, now = now, ttl = ttl,
   generation = msg_gen, recoveries = 0, attempt = msg_attempt,
