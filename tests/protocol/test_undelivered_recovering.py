@@ -34,9 +34,10 @@ def index_of(store):
 
 
 def recovered(store, redis_client, task_id="t1"):
-    """A task acquired, its owner gone, re-published by recovery and confirmed: recovering."""
+    """A task acquired, its owner gone while running it (released as started), re-published
+    by recovery and confirmed: recovering."""
     acq = store.acquire(task_id, "w", body=b"body", envelope={"headers": {"id": task_id}, "routing_key": "q"})
-    store.release("w", {task_id: acq.token})
+    store.release("w", {task_id: acq.token}, started={task_id})
     claims = []
     report = store.recover(publish=claims.append)
     assert report.recovered == 1 and [c.generation for c in claims] == [1]
