@@ -319,7 +319,7 @@ def bench_rerun(url: str, client: redis.Redis, trials: int, log_dir: Path, clean
     # that after the deadline means the turn in between was refused, and the rerun waited.
     delayed = sum((r["recovering_pass_after_deadline_s"] or 0) > 1.05 * INTERVAL for r in rows)
     return {"trials": rows, "ttl": TTL, "recovery_interval": INTERVAL,
-            "heartbeat_interval": store.ttl / 3, "pool": f"{POOL_SIZE} x -P {POOL} -c {CONCURRENCY}",
+            "heartbeat_interval": store.settings.ttl / 3, "pool": f"{POOL_SIZE} x -P {POOL} -c {CONCURRENCY}",
             "delay": summary(delays), "lease_left_at_kill": summary(left) if left else None,
             "deadline_to_running": summary(after_deadline) if after_deadline else None,
             "kill_to_reacquired": summary(reacq) if reacq else None,
@@ -472,7 +472,7 @@ def bench_republish(url: str, client: redis.Redis, n: int, rounds: int, warmup: 
     body = len(messages[0].body)
     rec = statistics.median(r["recover_per_s"] for r in runs)
     plain_rate = statistics.median(r["send_task_per_s"] for r in runs)
-    return {"n": n, "rounds": runs, "batch": store.recover_batch, "body_bytes": body,
+    return {"n": n, "rounds": runs, "batch": store.settings.recover_batch, "body_bytes": body,
             "recover_median_per_s": rec, "send_task_median_per_s": plain_rate,
             "recover_median_s": statistics.median(r["recover_s"] for r in runs),
             "publish_median_s": statistics.median(r["publish_s"] for r in runs),

@@ -438,7 +438,7 @@ def bench_recovery(client: Any, store: LeaseStore, held: dict[str, dict[str, int
     mid = sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2]
     return {"n": runs[0]["n"], "dead_owners": dead_owners, "runs": runs, "median_s": median,
             "worst_s": max(times), "per_s": runs[0]["n"] / median, "median_run": mid,
-            "batch": store.recover_batch}
+            "batch": store.settings.recover_batch}
 
 
 # -- report ------------------------------------------------------------------

@@ -191,7 +191,7 @@ def bench_recover(client: CountingRedis, n: int, repeats: int) -> dict:
         delete_pattern(client, store.keys.tag + "*")
     times = [r["seconds"] for r in runs]
     return {"n": n, "runs": runs, "median_s": statistics.median(times), "worst_s": max(times),
-            "per_s": n / statistics.median(times), "batch": store.recover_batch}
+            "per_s": n / statistics.median(times), "batch": store.settings.recover_batch}
 
 
 def bench_commands(client: CountingRedis, n: int, reset: bool) -> dict:

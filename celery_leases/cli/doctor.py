@@ -42,16 +42,16 @@ def doctor(ctx: click.Context, scan: bool, observe: float | None, stuck_after: f
     status = status or (1 if counted else 0)
     if as_json:
         _emit_json({"prefix": _prefix(ctx), "healthy": not counted, "status": status,
-                    "findings": [{**f.as_dict(), "what": _scrub(f.what, secrets)} for f in findings]})
+                    "findings": [{**f.as_dict(), "what": _scrub(f.message, secrets)} for f in findings]})
     else:
         for f in findings:
             if quiet and not f.counts:
                 continue
-            line = f"{f.level:<8} {f.check:<19} {_scrub(f.what, secrets)}"
-            if f.todo and f.level != OK:
+            line = f"{f.severity:<8} {f.check:<19} {_scrub(f.message, secrets)}"
+            if f.todo and f.severity != OK:
                 line += f"; do: {f.todo}"
             click.echo(line)
-        errors = sum(f.level == "ERROR" for f in findings)
+        errors = sum(f.severity == "ERROR" for f in findings)
         click.echo(f"{'unhealthy' if counted else 'healthy'}: {errors} error(s), "
                    f"{len(counted) - errors} warning(s)")
     if status:

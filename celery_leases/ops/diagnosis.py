@@ -8,20 +8,20 @@ retention, heartbeat), the server's clock against this host's, every record
 past their publish grace), parked deliveries, and the recovery passes it sees
 taking their turn.
 
-Each finding's level is its severity in ``checks.FINDINGS``, the table the
-worker's start-up checks log by too: the doctor and a starting worker never
-disagree. Levels: ERROR and WARNING are findings (exit 1); INFO (a check that
-could not run, a cadence not observed) and OK are not.
+Each finding is a ``checks.Finding``, the type the worker's start-up checks
+return too, and its severity is the one ``checks.FINDINGS`` gives it, the
+table the worker logs by: the doctor and a starting worker never disagree.
+Severities: ERROR and WARNING are findings (exit 1); INFO (a check that could
+not run, a cadence not observed) and OK are not.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from ..worker.checks import ERROR, FINDINGS, INFO, OK, WARNING, run_checks
+from ..worker.checks import ERROR, FINDING_LEVELS, INFO, OK, WARNING, Finding, found, run_checks
 from ..config import LeaseConfig, client_config
 from ..exceptions import ConfigurationError, CorruptRecord, LeaseUnavailable
 from ..protocol.admin import scan_all
@@ -30,8 +30,6 @@ from ..protocol.store import LeaseStore
 from ..runtime import get_store
 from ..worker.startup import problems
 
-#: Levels that make the doctor exit 1.
-FINDING_LEVELS = (ERROR, WARNING)
 #: Seconds of clock difference between the store's server and this host worth a warning.
 CLOCK_SKEW_WARNING = 2.0
 #: Corrupt or stuck records listed one per line; past this, one line says how many more.
@@ -49,41 +47,11 @@ _TODO = {
 }
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One line of the doctor's report."""
-
-    #: ERROR, WARNING, INFO or OK.
-    level: str
-    #: Which check: settings, store, eviction, persistence, clock, records, parked, recovery, ...
-    check: str
-    #: What was found.
-    what: str
-    #: What to do about it ("" for OK and INFO lines that need nothing).
-    todo: str = ""
-    #: The finding's key in checks.FINDINGS, which gives its level ("" for OK and INFO lines).
-    kind: str = ""
-
-    @property
-    def counts(self) -> bool:
-        """True for ERROR and WARNING: the findings that make the doctor exit 1."""
-        return self.level in FINDING_LEVELS
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _found(kind: str, what: str, todo: str = "") -> Finding:
-    """A finding of ``kind`` (checks.FINDINGS), at its one severity."""
-    entry = FINDINGS[kind]
-    return Finding(entry.severity, entry.check, what, todo, kind)
-
-
 class StoreUnreachable(Exception):
     """The lease store did not answer: ``findings`` holds what was found until then."""
 
     def __init__(self, findings: list[Finding]) -> None:
-        super().__init__(findings[-1].what)
+        super().__init__(findings[-1].message)
         self.findings = findings
 
 
@@ -111,14 +79,14 @@ def diagnose(app: Any, *, scan: bool = True, observe: float | None = None,
     stuck (default: 3 recovery intervals, at least 10 s). Raises
     StoreUnreachable (with the findings so far) when the store does not answer.
     """
-    findings = [_found("settings", p, "fix it where the app is configured; workers refuse "
-                       "to start (exit 78) until then") for p in problems(app)]
+    findings = [found("settings", p, "fix it where the app is configured; workers refuse "
+                      "to start (exit 78) until then") for p in problems(app)]
     try:
         config = client_config(app)
     except ConfigurationError:
         return findings  # no store to examine without its settings
     if not findings:
-        findings.append(Finding(OK, "settings", "every leases_* setting and task option is valid"))
+        findings.append(Finding("settings", OK, "every leases_* setting and task option is valid"))
     store = get_store(app)
     try:
         with _quiet("celery_leases.checks", "celery_leases.store"):
@@ -128,26 +96,26 @@ def diagnose(app: Any, *, scan: bool = True, observe: float | None = None,
             findings += _parked(store)
             findings += _recovery(store, config, observe, sleep)
     except LeaseUnavailable as exc:
-        findings.append(_found("store_unreachable", str(exc), "check leases_redis_url and that the "
-                               "lease store's Redis is up and reachable from here"))
+        findings.append(found("store_unreachable", str(exc), "check leases_redis_url and that the "
+                              "lease store's Redis is up and reachable from here"))
         raise StoreUnreachable(findings) from None
     return findings
 
 
 def _startup_checks(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding]:
     store.server_time_ms()  # reachable? (LeaseUnavailable otherwise: run_checks never raises)
-    found = run_checks(app, config, store)
+    results = run_checks(app, config, store)
     out = []
-    for f in found:
+    for f in results:
         if f.skipped:
-            out.append(Finding(INFO, f.check, f.message, "check this setting by hand (docs/operations.md)"))
+            out.append(Finding(f.check, INFO, f.message, "check this setting by hand (docs/operations.md)"))
         else:
-            out.append(_found(f.kind, f.message, _TODO.get(f.check, "")))
-    named = {f.check for f in found}
+            out.append(found(f.kind, f.message, _TODO.get(f.check, "")))
+    named = {f.check for f in results}
     if "eviction" not in named:
-        out.append(Finding(OK, "eviction", f"lease store {store.description} has maxmemory-policy noeviction"))
+        out.append(Finding("eviction", OK, f"lease store {store.description} has maxmemory-policy noeviction"))
     if "persistence" not in named:
-        out.append(Finding(OK, "persistence", f"lease store {store.description} has appendonly yes"))
+        out.append(Finding("persistence", OK, f"lease store {store.description} has appendonly yes"))
     return out
 
 
@@ -160,10 +128,10 @@ def _clock(store: LeaseStore) -> list[Finding]:
     text = (f"the lease store's clock is {abs(skew):.3f}s {'ahead of' if skew > 0 else 'behind'} "
             f"this host's (+/- {bound:.3f}s)")
     if abs(skew) - bound > CLOCK_SKEW_WARNING:
-        return [_found("clock_skew", text + ": deadlines follow the server's clock, so leases are "
-                        "safe, but logs, ETAs and this host's view of deadlines disagree with it",
-                        "run NTP (chrony, systemd-timesyncd) on the Redis host and on this one")]
-    return [Finding(OK, "clock", text)]
+        return [found("clock_skew", text + ": deadlines follow the server's clock, so leases are "
+                       "safe, but logs, ETAs and this host's view of deadlines disagree with it",
+                       "run NTP (chrony, systemd-timesyncd) on the Redis host and on this one")]
+    return [Finding("clock", OK, text)]
 
 
 def _records(store: LeaseStore, config: LeaseConfig, scan: bool, stuck_after: float | None) -> list[Finding]:
@@ -172,15 +140,15 @@ def _records(store: LeaseStore, config: LeaseConfig, scan: bool, stuck_after: fl
     if scan:
         records, corrupt = scan_all(store)
         for key, problem in corrupt[:MAX_LISTED]:
-            out.append(_found("corrupt_record", f"corrupt lease record {key}: {problem}",
-                               f"read it with HGETALL {key}; repair the field or DEL the record "
-                               f"(a parked delivery of it: celery leases replay TASK_ID --reset-record)"))
+            out.append(found("corrupt_record", f"corrupt lease record {key}: {problem}",
+                              f"read it with HGETALL {key}; repair the field or DEL the record "
+                              f"(a parked delivery of it: celery leases replay TASK_ID --reset-record)"))
         if len(corrupt) > MAX_LISTED:
-            out.append(_found("corrupt_record", f"{len(corrupt) - MAX_LISTED} more corrupt lease records",
-                               "as above"))
+            out.append(found("corrupt_record", f"{len(corrupt) - MAX_LISTED} more corrupt lease records",
+                              "as above"))
     else:
         records = store.records([t for t, _ in store.active(100_000)], skip_corrupt=True)
-        out.append(Finding(INFO, "records", "records not scanned (--no-scan): corrupt records not "
+        out.append(Finding("records", INFO, "records not scanned (--no-scan): corrupt records not "
                            "looked for, stuck leases looked for in the deadline index only"))
     limit = stuck_after if stuck_after is not None else max(3 * config.recovery_interval, 10.0)
     stuck = [r for r in records if r.deadline and now - r.deadline > limit * 1000
@@ -193,32 +161,32 @@ def _records(store: LeaseStore, config: LeaseConfig, scan: bool, stuck_after: fl
         else:
             what = (f"stuck lease {r.name or '-'}[{r.task_id}]: recovering, its re-publish unconfirmed "
                     f"{late:.1f}s past leases_publish_grace, and no recovery pass claimed it again")
-        out.append(_found("stuck_lease", what, "make sure recovery runs: beat with the "
-                           "celery_leases.recover task, or leases_worker_recovery on the workers; "
-                           "`celery leases recover` runs one pass now"))
+        out.append(found("stuck_lease", what, "make sure recovery runs: beat with the "
+                          "celery_leases.recover task, or leases_worker_recovery on the workers; "
+                          "`celery leases recover` runs one pass now"))
     if len(stuck) > MAX_LISTED:
-        out.append(_found("stuck_lease", f"{len(stuck) - MAX_LISTED} more stuck leases", "as above"))
+        out.append(found("stuck_lease", f"{len(stuck) - MAX_LISTED} more stuck leases", "as above"))
     if not any(f.counts for f in out):
-        out.append(Finding(OK, "records", f"{len(records)} record(s) read, none stuck"
+        out.append(Finding("records", OK, f"{len(records)} record(s) read, none stuck"
                            + (", none corrupt" if scan else "")))
     try:
         store.stats()
     except CorruptRecord as exc:
-        out.append(_found("corrupt_stats", str(exc), f"repair or DEL {store.keys.stats} (lifetime "
-                           f"counters only: nothing else reads it)"))
+        out.append(found("corrupt_stats", str(exc), f"repair or DEL {store.keys.stats} (lifetime "
+                          f"counters only: nothing else reads it)"))
     return out
 
 
 def _parked(store: LeaseStore) -> list[Finding]:
     entries = store.parked(1000)
     if not entries:
-        return [Finding(OK, "parked", "no parked deliveries")]
+        return [Finding("parked", OK, "no parked deliveries")]
     now = store.server_time_ms()
     oldest = min(entries, key=lambda e: e.parked_at)
-    return [_found("parked", f"{len(entries)} delivery(ies) parked instead of run, the oldest "
-                    f"{(now - oldest.parked_at) / 1000.0:.0f}s ago ({oldest.name or '-'}[{oldest.task_id}]: "
-                    f"{oldest.reason})", "celery leases parked; fix the record or the producer, then "
-                    "celery leases replay TASK_ID")]
+    return [found("parked", f"{len(entries)} delivery(ies) parked instead of run, the oldest "
+                   f"{(now - oldest.parked_at) / 1000.0:.0f}s ago ({oldest.name or '-'}[{oldest.task_id}]: "
+                   f"{oldest.reason})", "celery leases parked; fix the record or the producer, then "
+                   "celery leases replay TASK_ID")]
 
 
 def _recovery(store: LeaseStore, config: LeaseConfig, observe: float | None,
@@ -251,7 +219,7 @@ def _recovery(store: LeaseStore, config: LeaseConfig, observe: float | None,
     counters = store.stats()
     lifetime = f"lifetime: {counters.get('recovered', 0)} recovered, {counters.get('dead', 0)} dead"
     if not turns:
-        return [Finding(INFO, "recovery", f"recovery cadence not observed: no recovery pass took its "
+        return [Finding("recovery", INFO, f"recovery cadence not observed: no recovery pass took its "
                         f"turn ({key}) within {window:g}s; {lifetime}",
                         "fine while no leases are due; otherwise see the stuck leases above")]
     age = time.time() - turns[-1][0]
@@ -260,10 +228,10 @@ def _recovery(store: LeaseStore, config: LeaseConfig, observe: float | None,
         every = (turns[-1][0] - turns[0][0]) / (len(turns) - 1)
         text += f", every {every:.1f}s ({len(turns)} turns seen)"
         if every > 2 * config.recovery_interval:
-            return [_found("recovery_late", f"{text}; leases_recovery_interval is "
-                            f"{config.recovery_interval:g}s; {lifetime}",
-                            "check beat's schedule of celery_leases.recover and that beat runs once")]
-    return [Finding(OK, "recovery", f"{text}; {lifetime}")]
+            return [found("recovery_late", f"{text}; leases_recovery_interval is "
+                           f"{config.recovery_interval:g}s; {lifetime}",
+                           "check beat's schedule of celery_leases.recover and that beat runs once")]
+    return [Finding("recovery", OK, f"{text}; {lifetime}")]
 
 
-__all__ = ["Finding", "StoreUnreachable", "diagnose", "ERROR", "WARNING", "INFO", "OK"]
+__all__ = ["Finding", "StoreUnreachable", "diagnose", "ERROR", "WARNING", "INFO", "OK", "FINDING_LEVELS"]

@@ -10,7 +10,6 @@ clock.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -78,8 +77,9 @@ class StoreSettings:
 class StoreCore:
     """One key prefix on one Redis (a server, or a Redis Cluster): client, keys, calls, settings.
 
-    Every script call and read goes through ``calls`` (calls.py). The settings are
-    also readable as attributes (``core.ttl``); ``delivery_timeout`` may be set.
+    Every script call and read goes through ``calls`` (calls.py). The numbers have one
+    home, ``settings`` (``core.settings.ttl``); StoreSettings is frozen, so a change
+    replaces it (``dataclasses.replace``, as queued.py does for ``delivery_timeout``).
     """
 
     def __init__(self, client: redis.Redis, prefix: str = defaults.KEY_PREFIX,
@@ -92,44 +92,6 @@ class StoreCore:
         self.description = description or describe(client)
         self.calls = ScriptCalls(client, self.description)
         self.cluster = self.calls.cluster
-
-    # -- the settings, as attributes ------------------------------------------
-
-    @property
-    def ttl(self) -> float:
-        return self.settings.ttl
-
-    @property
-    def retention(self) -> float:
-        return self.settings.retention
-
-    @property
-    def max_recoveries(self) -> int:
-        return self.settings.max_recoveries
-
-    @property
-    def publish_grace(self) -> float:
-        return self.settings.publish_grace
-
-    @property
-    def recover_batch(self) -> int:
-        return self.settings.recover_batch
-
-    @property
-    def parked_retention(self) -> float:
-        return self.settings.parked_retention
-
-    @property
-    def parked_cap(self) -> int:
-        return self.settings.parked_cap
-
-    @property
-    def delivery_timeout(self) -> float:
-        return self.settings.delivery_timeout
-
-    @delivery_timeout.setter
-    def delivery_timeout(self, seconds: float) -> None:
-        self.settings = dataclasses.replace(self.settings, delivery_timeout=seconds)
 
     @property
     def clock_tokens(self) -> int:

@@ -12,7 +12,7 @@ process's publish line (transport/line.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -70,7 +70,7 @@ class QueuedTasks:
         self.store = store
         self.delivery_timeout = delivery_timeout
         # The store's confirmed re-publishes and retry hand-overs wait in the queued index too.
-        store.delivery_timeout = delivery_timeout
+        store.settings = replace(store.settings, delivery_timeout=delivery_timeout)
         self._timeout_ms = max(1, int(round(delivery_timeout * 1000)))
         #: False until an enqueue in this process went through the NOSCRIPT-safe path (send()).
         self._script_loaded = False

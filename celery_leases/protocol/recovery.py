@@ -31,7 +31,7 @@ def claim_expired(core: StoreCore, limit: int | None = None, ids: Sequence[str] 
     ``ids`` (of any shards) are claimed with one script call per shard.
     """
     if ids is None:
-        ids = core.expired(limit or core.recover_batch)
+        ids = core.expired(limit or core.settings.recover_batch)
     if not ids:
         return []
     calls = []
@@ -40,7 +40,7 @@ def claim_expired(core: StoreCore, limit: int | None = None, ids: Sequence[str] 
         keys = [shard.deadlines, shard.stats]
         for t in task_ids:
             keys += [core.keys.record(t), core.keys.message(t)]
-        calls.append((keys, [core.max_recoveries, ms(core.publish_grace), *task_ids]))
+        calls.append((keys, [core.settings.max_recoveries, ms(core.settings.publish_grace), *task_ids]))
     rows = []
     for result in core.calls.run_many(scripts.claim_expired, calls, f"{len(ids)} expired leases"):
         if result and result[0] == Code.CORRUPT:
@@ -75,7 +75,7 @@ def claim_expired(core: StoreCore, limit: int | None = None, ids: Sequence[str] 
 
 def mark_published(core: StoreCore, claims: Iterable[Claim]) -> int:
     """Confirm re-published claims: the broker holds them from now on (with publish tracking,
-    ``core.delivery_timeout`` > 0, they wait in the queued index for their delivery)."""
+    ``core.settings.delivery_timeout`` > 0, they wait in the queued index for their delivery)."""
     claims = list(claims)
     if not claims:
         return 0
@@ -86,7 +86,7 @@ def mark_published(core: StoreCore, claims: Iterable[Claim]) -> int:
         # With publish tracking on, the confirmed copy waits in the queued index: if the
         # broker loses it too, claim_undelivered re-publishes it (mark_published.lua).
         keys = [shard.deadlines, shard.queued]
-        args: list[Any] = [ms(core.retention), ms(core.delivery_timeout or 0)]
+        args: list[Any] = [ms(core.settings.retention), ms(core.settings.delivery_timeout or 0)]
         for t in task_ids:
             keys += [core.keys.record(t), core.keys.message(t)]
             args += [t, by_id[t].generation]
@@ -129,7 +129,7 @@ def recover(core: StoreCore, publish: Callable[[Claim], None] | None,
     # about as many round trips as with one.
     pending = list(range(core.shards))
     while pending and (remaining is None or remaining > 0):
-        batch = core.recover_batch if remaining is None else min(remaining, core.recover_batch)
+        batch = core.settings.recover_batch if remaining is None else min(remaining, core.settings.recover_batch)
         found = core.expired_by_shard(pending, batch)
         pending = [index for index, found_ids in found.items() if len(found_ids) >= batch]
         ids = [t for found_ids in found.values() for t in found_ids]
@@ -170,7 +170,7 @@ def recover(core: StoreCore, publish: Callable[[Claim], None] | None,
                 report.errors.append((claim.task_id, exc))
                 logger.error("recovery of task %s (generation %s) failed, it will be "
                              "claimed again after %ss: %r", claim.task_id, claim.generation,
-                             core.publish_grace, exc, exc_info=True)
+                             core.settings.publish_grace, exc, exc_info=True)
         confirm(published)
         if remaining is not None:
             remaining -= len(ids)

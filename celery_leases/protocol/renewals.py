@@ -40,7 +40,7 @@ def renew_many(core: StoreCore, owner: str, leases: Mapping[str, int], *, ttl: f
     if pause_gc:
         gc.disable()
     try:
-        ttl_ms, progress = ms(core.ttl if ttl is None else ttl), 1 if check_progress else 0
+        ttl_ms, progress = ms(core.settings.ttl if ttl is None else ttl), 1 if check_progress else 0
         calls = []
         groups = core.keys.by_shard(leases) if core.shards > 1 else {0: list(leases)}
         for index, task_ids in groups.items():

@@ -254,7 +254,7 @@ class LeaseStore(StoreCore):
         key, shard = self.keys.record(one_task(task_id)), self.keys.shard_for(task_id)
         reply = self.calls.run(
             scripts.revoke, [key, shard.deadlines, shard.stats, self.keys.message(task_id)],
-            [task_id, 1 if expired else 0, ms(self.retention), owner, int(token or 0), name],
+            [task_id, 1 if expired else 0, ms(self.settings.retention), owner, int(token or 0), name],
             f"task {task_id}, key {key}")
         raise_if_corrupt(reply, f"revoke of task {task_id}")
         return Code(reply[0])
@@ -318,7 +318,7 @@ class LeaseStore(StoreCore):
         reply = self.calls.run(
             scripts.park, (keys.parked, keys.parked_meta, keys.parked_body),
             (task_id, reason, name, body, compact_json(dict(envelope)) if envelope else "", key, field,
-             ms(self.parked_retention), int(self.parked_cap)),
+             ms(self.settings.parked_retention), int(self.settings.parked_cap)),
             f"parking task {task_id}")
         raise_if_corrupt(reply, f"parking task {task_id}")
         # A parked delivery leaves publish tracking: recovery must not re-publish, from the
@@ -329,7 +329,7 @@ class LeaseStore(StoreCore):
         if int(reply[1]):
             logger.warning("parking task %s dropped %d older parked deliveries of %s "
                            "(kept: %d at most, for %ss)", task_id, int(reply[1]), keys.parked,
-                           self.parked_cap, self.parked_retention)
+                           self.settings.parked_cap, self.settings.parked_retention)
 
     def try_recovery_turn(self, owner: str, interval: float) -> bool:
         """True for one caller per ``interval`` across all workers (the fallback recoverer's guard)."""

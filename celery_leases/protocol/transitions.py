@@ -88,13 +88,13 @@ def acquire_call(core: StoreCore, req: AcquireRequest) -> tuple[Script, list, li
         keys.append(shard.queued)  # a record queued at publish leaves this index (acquire.lua)
     # A recorded message is left out (acquire.lua ARGV[14]); a re-assert always sends it.
     omit = bool(req.recorded and req.publish and not req.reassert)
-    args = [task_id, req.owner, ms(core.ttl if req.ttl is None else req.ttl), int(req.generation),
-            int(req.attempt), core.max_recoveries if req.max_recoveries is None else int(req.max_recoveries),
+    args = [task_id, req.owner, ms(core.settings.ttl if req.ttl is None else req.ttl), int(req.generation),
+            int(req.attempt), core.settings.max_recoveries if req.max_recoveries is None else int(req.max_recoveries),
             ms(req.progress_timeout), req.name, b"" if omit else req.body,
             "" if omit or req.envelope is None else compact_json(req.envelope)]
     if req.reassert:
         return scripts.reassert, keys, [*args, int(req.reassert)]
-    return scripts.acquire, keys, [*args, ms(core.retention), core.clock_tokens, req.publish or "",
+    return scripts.acquire, keys, [*args, ms(core.settings.retention), core.clock_tokens, req.publish or "",
                                    1 if omit else 0, 1 if req.shared else 0]
 
 
@@ -165,17 +165,17 @@ def finish_call(core: StoreCore, req: FinishRequest) -> tuple[Script, list, list
     if outcome == "retry":  # the hand-over to the next attempt (hand_over.lua)
         if write is not None:
             raise ValueError(f"finish: task {task_id}: a retry hand-over writes no result")
-        wait = core.publish_grace if req.retry_grace is None else req.retry_grace
+        wait = core.settings.publish_grace if req.retry_grace is None else req.retry_grace
         # With publish tracking the next attempt is due at its countdown (retry_grace is the
         # countdown plus publish_grace) and waits the delivery timeout from then.
         return scripts.hand_over, [key, shard.deadlines, shard.stats, shard.sequence, shard.queued], [
             task_id, req.owner, int(req.token), int(req.next_attempt), ms(wait), int(req.not_after),
-            ms(max(0.0, wait - core.publish_grace)), ms(core.delivery_timeout or 0)]
+            ms(max(0.0, wait - core.settings.publish_grace)), ms(core.settings.delivery_timeout or 0)]
     if write is not None and req.kept is not None:
         raise ValueError(f"finish: task {task_id}: a result written by the finish is not kept too")
     keys = [key, shard.deadlines, shard.stats, keys_of.message(task_id), shard.sequence,
             shard.unwritten, shard.unwritten_results]
-    args: list = [task_id, req.owner, int(req.token), outcome, ms(core.retention), int(req.not_after)]
+    args: list = [task_id, req.owner, int(req.token), outcome, ms(core.settings.retention), int(req.not_after)]
     if write is not None:
         keys.append(write[0])
         args += [write[1], int(write[2] or 0)]

@@ -64,7 +64,7 @@ def claim(core: StoreCore, ids: Iterable[str], timeout_ms: int, backoff_cap: int
         call_keys = [shard.queued, shard.stats]
         for t in task_ids:
             call_keys += [keys.record(t), keys.message(t)]
-        calls.append((call_keys, [timeout_ms, int(round(core.retention * 1000)),
+        calls.append((call_keys, [timeout_ms, int(round(core.settings.retention * 1000)),
                                   int(backoff_cap), *task_ids]))
     if not calls:
         return []
@@ -104,7 +104,7 @@ def recover(core: StoreCore, publish: Callable[[Undelivered], None],
     ``claim`` as the caller's QueuedTasks makes them.
     """
     report = RecoveryReport(tracked=True)
-    batch = batch or core.recover_batch
+    batch = batch or core.settings.recover_batch
     pending = True
     while pending:
         found = lister(batch)

@@ -69,8 +69,8 @@ def pack(state: str, name: str, traceback: str | None, encoded: bytes | str,
 def claim(store: "StoreCore", limit: int | None = None) -> list[UnwrittenResult]:
     """Kept results past their due time, from every shard; each is handed out again
     ``publish_grace`` later unless confirmed meanwhile (claim_unwritten.lua)."""
-    limit = limit or store.recover_batch
-    calls = [([shard.unwritten, shard.unwritten_results], [ms(max(store.publish_grace, 1.0)), limit])
+    limit = limit or store.settings.recover_batch
+    calls = [([shard.unwritten, shard.unwritten_results], [ms(max(store.settings.publish_grace, 1.0)), limit])
              for shard in store.keys.all_shards()]
     out = []
     for reply in store.calls.run_many(scripts.claim_unwritten, calls, "unwritten results"):

@@ -255,7 +255,7 @@ class ResultWriter:
                                  item.task_id, item.state, time.time() - item.kept_at, exc)
                     continue
                 logger.error("task %s[%s]: writing its kept %s result failed; tried again in %ss: %r",
-                             item.name, item.task_id, item.state, self.store.publish_grace, exc,
+                             item.name, item.task_id, item.state, self.store.settings.publish_grace, exc,
                              exc_info=True)
         if done:
             unwritten.confirm(self.store, done, wrote)

@@ -5,6 +5,8 @@ start-up checks log each finding at it (ERROR or WARNING on
 ``celery_leases.checks``), and ``celery leases doctor`` reports it at it
 (doctor.py builds its lines from the same table). docs/operations.md lists
 them ("Findings and their severities"; a test keeps the two in step).
+``Finding`` is the one shape of a finding, for the start-up checks and the
+doctor's lines alike.
 
 ``LeaseWorker.start()`` runs the start-up checks once the lease store
 answers. A finding never stops the worker, whatever its severity: the store's
@@ -39,6 +41,8 @@ _DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 ERROR, WARNING, INFO, OK = "ERROR", "WARNING", "INFO", "OK"
 #: The logging level of each severity (the worker logs a finding at it).
 LEVELS = {ERROR: logging.ERROR, WARNING: logging.WARNING, INFO: logging.INFO, OK: logging.INFO}
+#: The severities that are findings proper: the doctor exits 1 on them.
+FINDING_LEVELS = (ERROR, WARNING)
 
 
 @dataclass(frozen=True)
@@ -78,30 +82,47 @@ FINDINGS: dict[str, Kind] = {
 
 @dataclass(frozen=True)
 class Finding:
-    """One result of a start-up check."""
+    """One finding about a deployment: a start-up check's (``run_checks``) or the doctor's
+    (ops/diagnosis.py, which adds its OK and INFO lines), so both report one shape."""
 
-    #: Which check: "eviction", "persistence", "shards", "visibility_timeout", "retention", "heartbeat".
+    #: Which check: "eviction", "persistence", "shards", "visibility_timeout", "retention",
+    #: "heartbeat" (the start-up checks), or the doctor's: "settings", "store", "clock", "records", ...
     check: str
-    #: The logging level: of the finding's severity (FINDINGS), or logging.INFO for a skipped check.
-    level: int
+    #: ERROR or WARNING (the kind's in FINDINGS); INFO for a check that could not run or a
+    #: cadence not observed; OK for a check that found nothing.
+    severity: str
+    #: What was found.
     message: str
-    #: The finding's key in FINDINGS ("" for a skipped check).
+    #: What to do about it (the doctor's advice; "" where nothing is needed).
+    todo: str = ""
+    #: The finding's key in FINDINGS, which gives its severity ("" for OK and INFO lines).
     kind: str = ""
 
     @property
-    def skipped(self) -> bool:
-        return self.level < logging.WARNING
+    def level(self) -> int:
+        """The logging level of the severity: what the worker logs the finding at."""
+        return LEVELS[self.severity]
 
     @property
-    def severity(self) -> str:
-        """ERROR or WARNING (FINDINGS), INFO for a skipped check."""
-        return FINDINGS[self.kind].severity if self.kind else INFO
+    def skipped(self) -> bool:
+        """True for a check that could not run (INFO)."""
+        return self.severity == INFO
+
+    @property
+    def counts(self) -> bool:
+        """True for ERROR and WARNING: the findings proper (the doctor exits 1 on them)."""
+        return self.severity in FINDING_LEVELS
+
+    def as_dict(self) -> dict:
+        """The doctor's ``--json`` entry: its keys are documented (docs/operations.md, doctor)."""
+        return {"level": self.severity, "check": self.check, "what": self.message, "todo": self.todo,
+                "kind": self.kind}
 
 
-def found(kind: str, message: str) -> Finding:
+def found(kind: str, message: str, todo: str = "") -> Finding:
     """A finding of ``kind``, at the severity FINDINGS gives it."""
     entry = FINDINGS[kind]
-    return Finding(entry.check, LEVELS[entry.severity], message, kind)
+    return Finding(entry.check, entry.severity, message, todo, kind)
 
 
 class _Skip(Exception):
@@ -115,9 +136,9 @@ def run_checks(app: Any, config: LeaseConfig, store: LeaseStore) -> list[Finding
         try:
             findings += check(app, config, store)
         except _Skip as exc:
-            findings.append(Finding(name, logging.INFO, f"{name} check skipped: {exc}"))
+            findings.append(Finding(name, INFO, f"{name} check skipped: {exc}"))
         except Exception as exc:  # noqa: BLE001 - a check must never stop the worker
-            findings.append(Finding(name, logging.INFO, f"{name} check skipped after an error: {exc!r}"))
+            findings.append(Finding(name, INFO, f"{name} check skipped after an error: {exc!r}"))
     for finding in findings:
         logger.log(finding.level, "celery-leases: %s", finding.message)
     return findings

@@ -206,7 +206,7 @@ def test_the_worker_logs_each_finding_at_the_level_the_doctor_reports_it(server,
     with caplog.at_level(logging.INFO, logger="celery_leases.checks"):
         findings = run_checks(app, get_config(app), store)
     from celery_leases.ops.diagnosis import diagnose
-    doctor = {(f.check, f.what): f.level for f in diagnose(app, scan=False, observe=0)}
+    doctor = {(f.check, f.message): f.severity for f in diagnose(app, scan=False, observe=0)}
     # Then each finding has one level: the worker's log line, the doctor's line, the table
     logged = {r.getMessage().removeprefix("celery-leases: "): r.levelname for r in caplog.records}
     assert {f.kind for f in findings} == {"eviction", "no_persistence", "visibility_timeout",

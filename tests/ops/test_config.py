@@ -10,6 +10,7 @@ from celery import Celery
 import celery_leases
 from celery_leases import ConfigurationError, LeasedTask
 from celery_leases.config import get_config
+from tests.support.processes import run_fresh
 
 
 def make_app(**conf):
@@ -361,13 +362,9 @@ def test_the_key_layout_refuses_what_the_setting_refuses():
 
 def test_the_documented_modules_are_reachable_from_a_bare_import_of_the_package():
     # (a fresh interpreter: in this one the test suite has imported them already)
-    import subprocess
-    import sys
     code = ("import celery_leases; "
             "print(celery_leases.config.get_config.__name__, celery_leases.config.client_config.__name__, "
             "celery_leases.protocol.__name__, celery_leases.testing.wait_for.__name__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["get_config", "client_config", "celery_leases.protocol", "wait_for"]
+    assert run_fresh(code).split() == ["get_config", "client_config", "celery_leases.protocol", "wait_for"]
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         celery_leases.nothing  # noqa: B018

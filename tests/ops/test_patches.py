@@ -6,8 +6,8 @@ from under the other tests.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from tests.support.processes import run_fresh
 
 SCRIPT = r'''
 import json
@@ -44,9 +44,7 @@ print(json.dumps({"changed": changed, "names": names,
 def test_install_patches_are_named_in_one_place_and_undone():
     # Given a fresh interpreter where install(app), Celery's command line (its entry point), the one-call
     # publish, the worker's held deliveries and its revoke hook have changed Celery's and kombu's code
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = json.loads(run_fresh(SCRIPT).strip().splitlines()[-1])
     # Then each change is one of patches.py's names
     assert all(report["changed"].values()), report
     assert report["names"] == sorted(["kombu.messaging.dumps", "celery.canvas.group._apply_tasks",
@@ -65,7 +63,6 @@ def test_install_outside_the_command_line_leaves_celerys_printing_alone():
               "celery_leases.install(Celery('p', broker='redis://127.0.0.1:1/0'))\n"
               "print('celery.bin.base' in sys.modules, celery_leases.patches.installed())")
     # When it calls install(app)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = run_fresh(script)
     # Then neither Celery's command line is imported nor its printing changed
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[0] == "False" and "CLIContext" not in out.stdout, out.stdout
+    assert out.split()[0] == "False" and "CLIContext" not in out, out

@@ -230,7 +230,7 @@ def test_worker_factory(pytester, shared_redis):
             assert read_conf.delay("leases_key_prefix").get(timeout=10) == leases_key_prefix
             assert read_conf.delay("leases_ttl").get(timeout=10) == 7
             store = celery_leases.store(app)
-            assert (store.keys.prefix, store.ttl) == (leases_key_prefix, 7)
+            assert (store.keys.prefix, store.settings.ttl) == (leases_key_prefix, 7)
             worker.pause(settle=0)
             assert becomes(worker.pid, stopped=True)
             worker.resume()

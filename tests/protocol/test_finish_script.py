@@ -106,7 +106,7 @@ def test_finish_of_a_missing_record_reasserts_the_holders_token(store, redis_cli
     store.finish("t1", A, acq.token, "succeeded")
     record = store.get("t1")
     assert (record.state, record.token, record.owner) == ("succeeded", acq.token, A)
-    assert record.deadline == 0 and 0 < redis_client.pttl(store.keys.record("t1")) <= store.retention * 1000
+    assert record.deadline == 0 and 0 < redis_client.pttl(store.keys.record("t1")) <= store.settings.retention * 1000
     # And the same finish again answers OK (idempotent), another owner's is refused
     store.finish("t1", A, acq.token, "succeeded")
     with pytest.raises(LeaseLost):

@@ -25,7 +25,7 @@ def test_revoke_of_a_task_never_seen_creates_a_terminal_record_that_refuses_deli
     # Then a terminal revoked record exists, kept for the retention period only
     rec = store.get("queued")
     assert (rec.state, rec.token, rec.name) == ("revoked", 0, "proj.add")
-    assert 0 < pttl(store, "queued") <= store.retention * 1000
+    assert 0 < pttl(store, "queued") <= store.settings.retention * 1000
     assert indexed(store) == {}
     # And the delivery that comes later (or a fresh worker's) is refused, not run
     acq = acquire(store, "queued", B)
@@ -139,7 +139,7 @@ def test_a_task_revoked_while_running_is_never_run_after_its_owner(store, how):
     rec = store.get("t1")
     assert rec.state == "revoked" and rec.finished_at > 0
     assert indexed(store) == {} and not message_exists(store, "t1")
-    assert 0 < pttl(store, "t1") <= store.retention * 1000
+    assert 0 < pttl(store, "t1") <= store.settings.retention * 1000
     # And every later copy too
     assert acquire(store, "t1", B, generation=generation + 1).code is Code.FINISHED
 

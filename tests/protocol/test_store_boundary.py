@@ -9,6 +9,7 @@ import redis
 
 from celery_leases import Code, LeaseStore
 from celery_leases.exceptions import LeaseLost
+from celery_leases.protocol.queued import QueuedTasks
 from celery_leases.protocol.store import AcquireRequest, FinishRequest, StoreSettings
 from celery_leases.protocol.transitions import acquire_call, finish_call
 
@@ -25,9 +26,10 @@ def test_settings_or_keywords_give_the_same_store(client, key_prefix):
     by_keywords = LeaseStore(client, key_prefix, ttl=5, retention=60, max_recoveries=2, shards=4)
     by_settings = LeaseStore(client, key_prefix, settings=StoreSettings(ttl=5, retention=60, max_recoveries=2,
                                                                         shards=4))
-    # Then they hold the same settings, read as attributes as before
+    # Then they hold the same settings
     assert by_keywords.settings == by_settings.settings
-    assert (by_settings.ttl, by_settings.retention, by_settings.max_recoveries, by_settings.shards) == (5, 60, 2, 4)
+    settings = by_settings.settings
+    assert (settings.ttl, settings.retention, settings.max_recoveries, by_settings.shards) == (5, 60, 2, 4)
     # And their scripts get the same KEYS and ARGV (sharded: tokens ordered by the clock)
     req = AcquireRequest("t1", "w", body=b"b", envelope={"x": 1})
     assert acquire_call(by_keywords, req) == acquire_call(by_settings, req)
@@ -36,13 +38,13 @@ def test_settings_or_keywords_give_the_same_store(client, key_prefix):
 
 def test_a_keyword_other_than_its_default_wins_over_settings(client, key_prefix):
     store = LeaseStore(client, key_prefix, settings=StoreSettings(ttl=5, retention=60), retention=7)
-    assert (store.ttl, store.retention) == (5, 7)
+    assert (store.settings.ttl, store.settings.retention) == (5, 7)
 
 
-def test_the_delivery_timeout_set_on_the_store_reaches_its_settings(client, key_prefix):
+def test_publish_tracking_sets_the_delivery_timeout_in_the_store_s_settings(client, key_prefix):
     store = LeaseStore(client, key_prefix)
-    store.delivery_timeout = 12.5
-    assert store.settings.delivery_timeout == 12.5 and store.delivery_timeout == 12.5
+    QueuedTasks(store, 12.5)
+    assert store.settings.delivery_timeout == 12.5
     with pytest.raises(dataclasses.FrozenInstanceError):
         store.settings.ttl = 1  # type: ignore[misc]
 

@@ -49,7 +49,7 @@ def handed_over(store, countdown=0.0):
     """A task acquired whose owner retried: recovering, waiting for attempt 1."""
     acq = store.acquire("t1", "w", body=b"body", envelope={"headers": {"id": "t1"}, "routing_key": "q"})
     store.finish("t1", "w", acq.token, "retry", next_attempt=1,
-                 retry_grace=countdown + store.publish_grace)
+                 retry_grace=countdown + store.settings.publish_grace)
     assert store.get("t1").state == "recovering"
     return acq
 
