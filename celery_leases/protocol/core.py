@@ -11,7 +11,7 @@ clock.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 import redis
@@ -74,6 +74,10 @@ class StoreSettings:
     clock_tokens: bool | None = None
 
 
+#: StoreSettings' fields, read through the store (``store.ttl``) and never assigned on it.
+_SETTING_NAMES = frozenset(field.name for field in fields(StoreSettings)) - {"clock_tokens", "shards"}
+
+
 class StoreCore:
     """One key prefix on one Redis (a server, or a Redis Cluster): client, keys, calls, settings.
 
@@ -92,6 +96,18 @@ class StoreCore:
         self.description = description or describe(client)
         self.calls = ScriptCalls(client, self.description)
         self.cluster = self.calls.cluster
+
+    def __getattr__(self, name: str) -> Any:
+        # ``store.ttl`` and the other settings read as before, from their one home.
+        if name in _SETTING_NAMES:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTING_NAMES:  # an assignment would shadow the setting, never change it
+            raise AttributeError(f"{name} is a setting of the store: replace store.settings "
+                                 f"(dataclasses.replace(store.settings, {name}=...))")
+        super().__setattr__(name, value)
 
     @property
     def clock_tokens(self) -> int:

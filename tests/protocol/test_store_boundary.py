@@ -72,3 +72,16 @@ def test_a_finish_request_is_the_finish(client, key_prefix):
         store.finish_request(dataclasses.replace(req, token=acq.token - 1))
     with pytest.raises(ValueError, match="unknown outcome"):
         store.finish_request(dataclasses.replace(req, outcome="maybe"))
+
+
+def test_the_store_reads_its_settings_from_one_home_and_refuses_to_shadow_them(client, key_prefix):
+    # Given a store built with its settings
+    store = LeaseStore(client, prefix=key_prefix, ttl=7, max_recoveries=2)
+    # Then each setting reads through the store from store.settings
+    assert (store.ttl, store.max_recoveries) == (store.settings.ttl, store.settings.max_recoveries) == (7, 2)
+    # And assigning one on the store (which would change nothing) is refused, naming the way
+    with pytest.raises(AttributeError, match=r"ttl is a setting of the store.*dataclasses.replace"):
+        store.ttl = 3
+    assert store.settings.ttl == 7
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        store.nonsense  # noqa: B018 - the read is the test

@@ -63,7 +63,8 @@ def read_replies(sock: Any, n: int, *, use_hiredis: bool | None = None) -> list:
     connection is out of step.
     """
     if _HiredisReader is not None and use_hiredis is not False:
-        reader, replies = _HiredisReader(replyError=ResponseError), []
+        reader = _HiredisReader(replyError=ResponseError)
+        replies: list = []
         while True:
             data = sock.recv(65536)
             if not data:
@@ -89,11 +90,12 @@ def read_replies(sock: Any, n: int, *, use_hiredis: bool | None = None) -> list:
             continue
         if end != len(buffer):
             raise RedisConnectionError(f"{len(buffer) - end} unexpected bytes after a reply")
-        replies, pos = [], 0
+        parsed: list = []
+        pos = 0
         for _ in range(n):
             reply, pos = parse(buffer, pos)
-            replies.append(reply)
-        return replies
+            parsed.append(reply)
+        return parsed
 
 
 def _error_class(reply: Any) -> Any:
