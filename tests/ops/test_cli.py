@@ -39,14 +39,14 @@ def finished(store: LeaseStore, task_id: str, outcome: str = "succeeded") -> Non
 def dead(store: LeaseStore, task_id: str) -> None:
     """A record declared dead: its only allowed owner expired and a copy came back."""
     acq = store.acquire(task_id, "w-dead", max_recoveries=0, name=f"{TASKS}.add")
-    store.release("w-dead", {task_id: acq.token})
+    store.release("w-dead", {task_id: acq.token}, started={task_id})
     assert store.acquire(task_id, "w-dead-2", max_recoveries=0).code.name == "DEAD"
 
 
 def recovering(store: LeaseStore, task_id: str) -> None:
     """A record claimed by recovery, waiting for its re-published copy."""
     acq = store.acquire(task_id, "w-rec", name=f"{TASKS}.add", body=b"{}", envelope=ENVELOPE)
-    store.release("w-rec", {task_id: acq.token})
+    store.release("w-rec", {task_id: acq.token}, started={task_id})
     (claim,) = store.claim_expired(ids=[task_id])
     store.mark_published([claim])
 
@@ -108,7 +108,7 @@ def test_ls_by_state_scans_records_and_limit_caps_the_list(cli, store):
 def test_show_prints_the_record_its_owners_and_the_deadline(cli, store):
     # Given a task whose first owner expired and whose lease a second owner took over
     first = store.acquire("t1", "host-a:1:aaa", name=f"{TASKS}.add")
-    store.release("host-a:1:aaa", {"t1": first.token})
+    store.release("host-a:1:aaa", {"t1": first.token}, started={"t1"})
     second = store.acquire("t1", "host-b:2:bbb", ttl=30, name=f"{TASKS}.add")
     assert second.code.name == "TAKEN_OVER"
 
@@ -283,7 +283,7 @@ def test_purge_removes_only_finished_records(cli, store, redis_client):
     # Given records in every state (active, due, recovering, and the four terminal ones)
     store.acquire("run", "w", ttl=60, name=f"{TASKS}.add")
     due = store.acquire("due", "w", name=f"{TASKS}.add")
-    store.release("w", {"due": due.token})
+    store.release("w", {"due": due.token}, started={"due"})
     recovering(store, "back")
     finished(store, "ok")
     finished(store, "bad", "failed")

@@ -82,7 +82,7 @@ def test_stuck_leases_rdb_only_and_parked_deliveries_are_findings(cli, server_fa
     client = redis.Redis.from_url(server.url)
     store = LeaseStore(client, key_prefix)
     acq = store.acquire("abandoned", "w", ttl=60, name="proj.charge")
-    store.release("w", {"abandoned": acq.token})
+    store.release("w", {"abandoned": acq.token}, started={"abandoned"})
     store.park("p1", "corrupt lease record", name="proj.charge", body=b"b", key="k", field="token")
 
     # When the doctor runs with a short "stuck" threshold

@@ -82,7 +82,7 @@ def test_a_real_recovery_pass_observes_time_to_recovery(client_app, registry, me
                 "content_type": "application/json", "content_encoding": "utf-8"}
     acq = store.acquire("t1", "w", name=f"{TASKS}.add", body=b"[[1, 2], {}, {}]", envelope=envelope)
     held = store.held_for("t1")
-    store.release("w", {"t1": acq.token})
+    store.release("w", {"t1": acq.token}, started={"t1"})
 
     # When a recovery pass re-publishes it
     assert store.recover().recovered == 1
@@ -99,7 +99,7 @@ def test_a_real_dead_task_is_counted(client_app, registry, metrics):
     store = celery_leases.store(client_app)
     acq = store.acquire("t2", "w", name=f"{TASKS}.add", max_recoveries=0,
                         body=b"[[1, 2], {}, {}]", envelope={"headers": {}, "properties": {}})
-    store.release("w", {"t2": acq.token})
+    store.release("w", {"t2": acq.token}, started={"t2"})
     # When recovery runs, Then the task is dead and counted
     assert store.recover().dead == 1
     assert value(registry, "dead_total") == 1 and value(registry, "recovered_total") == 0
@@ -110,7 +110,7 @@ def test_a_real_corrupt_record_found_by_recovery_is_parked_and_counted(client_ap
     store = celery_leases.store(client_app)
     acq = store.acquire("t3", "w", name=f"{TASKS}.add",
                         body=b"[[1, 2], {}, {}]", envelope={"headers": {}, "properties": {}})
-    store.release("w", {"t3": acq.token})
+    store.release("w", {"t3": acq.token}, started={"t3"})
     store.client.hset(store.keys.record("t3"), "generation", "x")
     # When recovery runs (the app's store parks through the Celery side)
     report = store.recover()
