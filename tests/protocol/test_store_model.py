@@ -78,6 +78,7 @@ class Task:
     attempt: int = 0
     recoveries: int = 0
     unstarted: bool = False
+    handed_over: int = 0            # the token a retry's hand-over left the record under
     ttl: float = 0.0
     progress_timeout: float = 0.0
     deadline: Window | None = None   # set while in the deadline index
@@ -206,30 +207,39 @@ class LeaseModel(RuleBasedStateMachine):
             assert acq.token == m.token
         assert (acq.generation, acq.recoveries) == (m.generation, m.recoveries)
 
+    # Every rule draws the same values whatever the model's state: which leases are held
+    # depends on timing (a deadline passed or not), and hypothesis refuses a test whose
+    # draws change from one run of the same choices to the next (FlakyStrategyDefinition).
+    # So a choice among state-dependent candidates is an index drawn from a fixed range.
+
     def _pick(self, data) -> tuple[str, str, int]:
         """(task, owner, token) of a caller: the current holder, the holder with an older
         token (a stale execution on the same worker), a former holder, or anyone."""
         task_id = data.draw(st.sampled_from(TASKS), label="task")
+        who = data.draw(st.sampled_from(["holder", "holder_older_token", "former", "anyone"]),
+                        label="caller")
+        index = data.draw(st.integers(0, 63), label="which")
+        anyone = data.draw(st.sampled_from(OWNERS), label="owner")
         m = self.tasks[task_id]
         former = self.issued_to[task_id]
         older = [(o, t) for o, t in former if o == m.owner and t != m.token]
-        who = data.draw(st.sampled_from(["holder", "holder_older_token", "former", "anyone"]),
-                        label="caller")
         if who == "holder" and m.owner:
             return task_id, m.owner, m.token
         if who == "holder_older_token" and older:
-            return (task_id, *data.draw(st.sampled_from(older), label="older token"))
+            return (task_id, *older[index % len(older)])
         if who != "anyone" and former:
-            return (task_id, *data.draw(st.sampled_from(former), label="former owner"))
-        owner = data.draw(st.sampled_from(OWNERS), label="owner")
-        return task_id, owner, self.held[owner].get(task_id, m.token or 1)
+            return (task_id, *former[index % len(former)])
+        return task_id, anyone, self.held[anyone].get(task_id, m.token or 1)
 
     def _holder(self, data) -> str:
         """An owner, mostly one holding some lease."""
+        a_holder = data.draw(st.booleans(), label="a holder")
+        index = data.draw(st.integers(0, 63), label="which holder")
+        anyone = data.draw(st.sampled_from(OWNERS), label="owner")
         holders = sorted(o for o, held in self.held.items() if held)
-        if holders and data.draw(st.booleans(), label="a holder"):
-            return data.draw(st.sampled_from(holders), label="holder")
-        return data.draw(st.sampled_from(OWNERS), label="owner")
+        if holders and a_holder:
+            return holders[index % len(holders)]
+        return anyone
 
     @initialize(kinds=st.tuples(*[st.sampled_from(LEASE_KINDS)] * len(TASKS)),
                 owners=st.tuples(*[st.sampled_from(OWNERS)] * len(TASKS)))
@@ -275,6 +285,7 @@ class LeaseModel(RuleBasedStateMachine):
             self._accept(task_id, outcome, token)
             if outcome == "retry":
                 m.state, m.owner, m.attempt = "recovering", "", m.attempt + 1
+                m.handed_over = token
                 m.newest_attempt = max(m.newest_attempt, m.attempt)
                 m.deadline = Window.around(t0, t1, SHORT)
             else:
@@ -284,11 +295,14 @@ class LeaseModel(RuleBasedStateMachine):
     def renew_many(self, data):
         # Like the heartbeat: one call per class of lease (ttl, progress timeout or not)
         owner = self._holder(data)
+        older = data.draw(st.lists(st.tuples(st.booleans(), st.integers(0, 63)),
+                                   min_size=len(TASKS), max_size=len(TASKS)), label="older tokens")
         groups: dict[tuple, dict[str, int]] = {}
         for task_id, token in self.held[owner].items():
             tokens = [t for o, t in self.issued_to[task_id] if o == owner]
-            if len(tokens) > 1 and data.draw(st.booleans(), label="renew an older token"):
-                token = data.draw(st.sampled_from(tokens), label="token")
+            renew_older, index = older[TASKS.index(task_id)]
+            if len(tokens) > 1 and renew_older:
+                token = tokens[index % len(tokens)]
             ttl, progress_timeout = self.kinds[owner][task_id]
             groups.setdefault((ttl, progress_timeout > 0), {})[task_id] = token
         for (ttl, check_progress), leases in sorted(groups.items()):
@@ -308,6 +322,8 @@ class LeaseModel(RuleBasedStateMachine):
                 allowed = {Code.LOST}
             elif m.state in TERMINAL_STATES:
                 allowed = {Code.FINISHED}
+            elif m.state == "recovering" and m.handed_over == token:
+                allowed = {Code.FINISHED}  # its holder handed it to the next attempt: nothing lost
             elif m.state == "recovering" or m.owner != owner:
                 allowed = {Code.LOST}
             elif check_progress and m.progress_timeout:
