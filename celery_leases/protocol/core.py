@@ -98,7 +98,7 @@ class StoreCore:
         self.cluster = self.calls.cluster
 
     def __getattr__(self, name: str) -> Any:
-        # ``store.ttl`` and the other settings read as before, from their one home.
+        # ``store.ttl`` and the other settings read from their one home, ``settings``.
         if name in _SETTING_NAMES:
             return getattr(self.settings, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
