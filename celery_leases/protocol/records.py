@@ -19,7 +19,7 @@ __all__ = ["LeaseRecord", "Acquisition", "Claim", "RecoveryReport", "Parked", "a
 #: Numeric fields of a lease record (HMGET'd by ``records``, parsed as int by ``LeaseRecord.parse``).
 INT_FIELDS = ("token", "ttl", "generation", "recoveries", "attempt",
               "progress_timeout", "progress_deadline", "acquired_at", "finished_at",
-              "revoke_requested", "unstarted_recoveries")
+              "revoke_requested", "unstarted_recoveries", "waited_deaths")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ class LeaseRecord:
     unstarted_recoveries: int = 0
     #: True once a death's blame was uncertain: every later run of the task is isolated.
     isolate: bool = False
+    #: Deaths of its worker while the isolated task had not started (it waited for its turn):
+    #: never its own, so not charged; bounded separately.
+    waited_deaths: int = 0
 
     @classmethod
     def parse(cls, task_id: str, key: str, raw: Mapping[bytes, bytes], deadline: int = 0,

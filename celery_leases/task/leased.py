@@ -244,17 +244,17 @@ class LeasedTask(Task):
         alone, before the body, so that if this body kills its worker the death is
         charged to it exactly (docs/recovery.md, "Shared-process pools").
 
-        A store that cannot take the mark does not stop the body: the mark records
-        blame, not ownership, and without it a death is one more uncertain recovery,
-        which has its bound.
+        No isolated body runs without its mark: the store charges an isolated task
+        nothing for a death before its mark (it waited for its turn while something
+        else killed the worker), which holds only if an unmarked isolated body never
+        ran. A store that cannot take the mark leaves the task to recovery after its ttl.
         """
         try:
             marked = self._store_call(lambda: lease.store.mark_started(
                 lease.owner, {lease.task_id: lease.token}, alone=True), lease)
         except LeaseError as exc:
-            logger.warning("task %s[%s]: isolated run not marked started (%s); if it dies now, its "
-                           "death counts as uncertain again", self.name, lease.task_id, exc)
-            return
+            self._not_started(lease, f"not marked started for its isolated run ({exc}); "
+                                     f"recovery runs it after its ttl")
         if not marked:
             self._not_started(lease, "no longer held when its isolated run was to start")
 

@@ -78,9 +78,14 @@ def scenario(directory, long: bool = False, pool: str = "threads", seed: int = 1
         counts = run.settle(timeout=5, quiet=1.0)
         store = run.store()
         counts.extra["worker deaths"] = restarts
+        innocents = [store.get(t) for t, e in run.expect.items() if e.outcome == "success"]
         counts.extra["innocents dead"] = sum(
-            1 for t, e in run.expect.items()
-            if e.outcome == "success" and getattr(store.get(t), "state", None) == "dead")
+            1 for record in innocents if getattr(record, "state", None) == "dead")
+        # The margin: an innocent dies past 4 x (max_recoveries + 1) uncertain deaths.
+        counts.extra["most uncertain deaths of an innocent"] = max(
+            (getattr(record, "unstarted_recoveries", 0) for record in innocents), default=0)
+        counts.extra["most waited deaths of an innocent"] = max(
+            (getattr(record, "waited_deaths", 0) for record in innocents), default=0)
         starts = {}
         for event in run.starts():
             starts[event["task"]] = starts.get(event["task"], 0) + 1

@@ -139,3 +139,76 @@ def test_a_new_publish_of_a_finished_task_starts_without_isolation(make_store):
     rerun = acquire(store, "t", A, shared=True, publish="p2")
     # Then that run starts with a clean slate
     assert rerun.owned and not rerun.isolate and not store.get("t").isolate
+
+
+def _isolated(store, task_id):
+    """A task isolated by two deaths beside others; the claim of the second."""
+    _, first = _die(store, task_id, A, shared=True)
+    _, second = _die(store, task_id, B, shared=True, generation=first.generation)
+    return second
+
+
+def test_an_isolated_task_that_dies_before_its_mark_is_charged_nothing(make_store):
+    # Given an isolated task (two uncertain deaths), max_recoveries 0
+    store = make_store(max_recoveries=0)
+    claim = _isolated(store, "t")
+    # When its worker dies three times while it waits for its turn (held, never marked:
+    # an isolated body runs only after its alone mark)
+    for owner in (A, B, A):
+        _, claim = _die(store, "t", owner, shared=True, started=False, generation=claim.generation)
+        # Then each death is another task's: no recovery, no uncertain one, still isolated
+        assert (claim.code, claim.recoveries) == (Code.RECOVERED, 0)
+    record = store.get("t")
+    assert (record.unstarted_recoveries, record.waited_deaths, record.isolate) == (2, 3, True)
+    # And its isolated run, when it comes, is charged exactly: with max_recoveries 0 its own
+    # death makes it dead
+    again = acquire(store, "t", B, generation=claim.generation, started=False, ttl=SHORT, shared=True)
+    assert again.isolate
+    assert store.mark_started(B, {"t": again.token}, alone=True) == 1
+    wait_out()
+    (last,) = store.claim_expired(ids=["t"])
+    assert last.code is Code.DEAD
+
+
+def test_a_take_over_charges_a_waited_death_as_a_recovery_pass_would(make_store):
+    # Given an isolated task whose owner died before its mark, expired unclaimed
+    store = make_store(max_recoveries=0)
+    claim = _isolated(store, "t")
+    acquire(store, "t", A, ttl=SHORT, generation=claim.generation, started=False, shared=True)
+    wait_out()
+    # When a restored copy takes it over
+    took = acquire(store, "t", B, generation=claim.generation, started=False, shared=True)
+    # Then it is charged nothing, counted as waited, and still isolated
+    assert (took.code, took.recoveries, took.isolate) == (Code.TAKEN_OVER, 0, True)
+    record = store.get("t")
+    assert (record.unstarted_recoveries, record.waited_deaths) == (2, 1)
+
+
+def test_waited_deaths_keep_a_bound(make_store):
+    # Given an isolated task, max_recoveries 0: waited deaths are bounded at 4 x 4 = 16
+    store = make_store(max_recoveries=0)
+    claim = _isolated(store, "t")
+    codes = []
+    for n in range(17):
+        _, claim = _die(store, "t", (A, B)[n % 2], shared=True, started=False,
+                        generation=claim.generation)
+        codes.append(claim.code)
+        if claim.code is Code.DEAD:
+            break
+    # Then a worker that keeps dying of something else does not hand it round without end
+    assert codes == [Code.RECOVERED] * 16 + [Code.DEAD]
+    record = store.get("t")
+    assert (record.state, record.waited_deaths) == ("dead", 17)
+
+
+def test_a_new_publish_of_a_finished_task_forgets_its_waited_deaths(make_store):
+    store = make_store(max_recoveries=1)
+    _, first = _die(store, "t", A, shared=True, publish="p1")
+    _, second = _die(store, "t", B, shared=True, publish="p1", generation=first.generation)
+    _, waited = _die(store, "t", A, shared=True, started=False, publish="p1",
+                     generation=second.generation)
+    assert store.get("t").waited_deaths == 1
+    acq = acquire(store, "t", B, generation=waited.generation, shared=True, publish="p1")
+    store.finish("t", B, acq.token, "succeeded")
+    rerun = acquire(store, "t", A, shared=True, publish="p2")
+    assert rerun.owned and store.get("t").waited_deaths == 0

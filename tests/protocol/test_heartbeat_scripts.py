@@ -308,19 +308,20 @@ def test_only_leases_marked_started_count_a_recovery(make_store):
     assert store.get("ran").unstarted_recoveries == 0 and ran.recoveries == 0
 
 
-def test_unstarted_recoveries_have_a_bound_of_their_own(make_store):
-    # Given a task whose start mark never reaches the store (a body that kills its
-    # worker at once), with max_recoveries 1: unstarted_limit is 4 * (1 + 1) = 8
-    store = make_store(max_recoveries=1)
-    limit = 4 * (1 + 1)
+def test_a_task_never_marked_started_is_isolated_then_bounded_by_its_waited_deaths(make_store):
+    # Given a task whose start mark never reaches the store, with max_recoveries 0: two
+    # uncertain deaths isolate it; an isolated body runs only after its own mark, so each
+    # later unmarked death is a waited one (another task's), bounded by 4 * 4 * (0 + 1) = 16
+    store = make_store(max_recoveries=0)
+    limit = 2 + 16
     generation = 0
     codes = []
     # When its worker dies again and again, each recovered copy acquired, never marked
     for _ in range(limit + 1):
-        acq = acquire(store, "pill", A, ttl=SHORT, generation=generation, started=False)
+        acq = acquire(store, "t", A, ttl=SHORT, generation=generation, started=False)
         assert acq.owned
         wait_out()
-        (claim,) = store.claim_expired(ids=["pill"])
+        (claim,) = store.claim_expired(ids=["t"])
         codes.append(claim.code)
         generation = claim.generation
         if claim.code is Code.DEAD:
@@ -330,23 +331,26 @@ def test_unstarted_recoveries_have_a_bound_of_their_own(make_store):
     # Then it is recovered `limit` times, never counted as a recovery, then dead:
     # bounded, though larger than max_recoveries
     assert codes == [Code.RECOVERED] * limit + [Code.DEAD]
-    assert store.get("pill").state == "dead" and store.get("pill").recoveries == 0
+    record = store.get("t")
+    assert (record.state, record.recoveries, record.unstarted_recoveries, record.waited_deaths) == (
+        "dead", 0, 2, 17)
     # And the dead claim counts every abandonment (LeaseExpired names it)
     assert claim.recoveries == limit + 1
 
 
-def test_an_unmarked_take_over_past_the_unstarted_bound_makes_the_task_dead(make_store):
-    # Given a lease acquired, then taken over unmarked as often as the unstarted
-    # bound allows (max_recoveries 0: 4 times)
+def test_an_unmarked_take_over_past_the_waited_bound_makes_the_task_dead(make_store):
+    # Given a lease acquired, then taken over unmarked again and again (max_recoveries 0:
+    # two uncertain deaths, then 16 waited ones)
     store = make_store(max_recoveries=0)
-    for owner in [A, B, A, B, A]:
-        acq = acquire(store, "pill", owner, ttl=SHORT, started=False, max_recoveries=0)
-        assert acq.owned
+    take_overs = 0
+    acq = acquire(store, "t", A, ttl=SHORT, started=False, max_recoveries=0)
+    while acq.owned and take_overs < 30:
         wait_out()
-    # When one more delivery finds it expired
-    last = acquire(store, "pill", C, started=False, max_recoveries=0)
-    # Then the task is dead
-    assert last.code is Code.DEAD and store.get("pill").state == "dead"
+        acq = acquire(store, "t", (B, A)[take_overs % 2], ttl=SHORT, started=False, max_recoveries=0)
+        take_overs += acq.owned
+    # Then the task is dead at the delivery past the bound
+    assert acq.code is Code.DEAD and store.get("t").state == "dead"
+    assert take_overs == 2 + 16
 
 
 def test_mark_started_marks_only_the_callers_live_lease(store):

@@ -26,12 +26,14 @@
   count(stats, field, n)     HINCRBY on a stats hash, best effort: a corrupt counter is not a
                              reason to refuse a task (the stats reads report it)
   unstarted_limit(max)       uncertain recoveries allowed to a task (charge_death)
+  waited_limit(max)          waited deaths allowed to an isolated task (charge_death)
   charge_death(rec, key, limit)
                              how the death of an expired active lease's owner is charged to its
-                             task (claim_expired, acquire's take-over): 'released', 'counted' or
-                             'uncertain', the task's recoveries and uncertain recoveries after
-                             it, true when that death makes the task dead, and true when its
-                             next runs are isolated (a second uncertain death)
+                             task (claim_expired, acquire's take-over): 'released', 'counted',
+                             'waited' or 'uncertain', the task's recoveries and uncertain
+                             recoveries after it, true when that death makes the task dead, true
+                             when its next runs are isolated (a second uncertain death), and its
+                             waited deaths after it (rec needs isolate and waited_deaths)
   is_terminal(state)         true for succeeded, failed, dead and revoked
   end_lease(key, deadlines, message, task_id, state, now, retention, ...)
                              write terminal ``state`` (and the extra field/value pairs
@@ -181,6 +183,14 @@ local function unstarted_limit(max_recoveries)
   return 4 * (max_recoveries + 1)
 end
 
+local function waited_limit(max_recoveries)
+  -- Deaths of a worker while an isolated task waited there for its turn are never its own,
+  -- and cost it nothing; their bound only stops a worker that keeps dying of something else
+  -- from handing the task round without end. It is large: a pill's neighbours wait through
+  -- every death of the pills isolated before them.
+  return 4 * unstarted_limit(max_recoveries)
+end
+
 local function charge_death(rec, key, limit)
   -- The one rule for what a dead owner's lease costs its task (docs/recovery.md):
   --   released   its live worker gave it back unstarted (warm shutdown, a dropped request):
@@ -195,6 +205,11 @@ local function charge_death(rec, key, limit)
   --              (acquire's reply). One uncertain death is what a worker killed from outside
   --              (OOM, a deploy) costs each of its tasks: they run again as usual. A second
   --              one is a pattern (a pill, or a task beside pills): isolation settles it.
+  --   waited     isolated, and never marked started: an isolated run's start is marked before
+  --              its body (the worker runs no isolated body without that mark), so its body
+  --              never ran and the death is another task's (it waited for its turn, or was
+  --              prefetched, while something else killed the worker): a waited death, not
+  --              charged, bounded by waited_limit; it stays isolated
   -- (Records without a started field predate it and count as started.)
   local recoveries = num(rec, key, 'recoveries')
   local uncertain = num(rec, key, 'unstarted_recoveries')
@@ -202,6 +217,10 @@ local function charge_death(rec, key, limit)
   if rec.started ~= '0' and (rec.shared ~= '1' or rec.alone == '1') then
     if recoveries >= limit then return 'counted', recoveries, uncertain, true, false end
     return 'counted', recoveries + 1, uncertain, false, false
+  end
+  if rec.isolate == '1' and rec.started == '0' then
+    local waited = num(rec, key, 'waited_deaths') + 1
+    return 'waited', recoveries, uncertain, waited > waited_limit(limit), true, waited
   end
   uncertain = uncertain + 1
   return 'uncertain', recoveries, uncertain, uncertain > unstarted_limit(limit), uncertain >= 2

@@ -85,7 +85,8 @@ local ran = rec.state and rec.state ~= 'queued'
 if ran then
   local more
   more, bad = load(key, {'unstarted', 'revoke_requested', 'started', 'unstarted_recoveries', 'pn',
-                         'shared', 'alone', 'isolate'}, {'revoke_requested', 'unstarted_recoveries', 'pn'})
+                         'shared', 'alone', 'isolate', 'waited_deaths'},
+                   {'revoke_requested', 'unstarted_recoveries', 'pn', 'waited_deaths'})
   if bad then return bad end
   for field, value in pairs(more) do rec[field] = value end
 end
@@ -130,6 +131,7 @@ local recoveries = num(rec, key, 'recoveries')
 local attempt = num(rec, key, 'attempt')
 local unstarted_recoveries = num(rec, key, 'unstarted_recoveries')
 local isolate = rec.isolate == '1'
+local waited  -- a waited death's new count (charge_death), written with the lease
 
 -- A message left out by its caller: the one recorded at publish must be this publish's.
 -- (Asked before any decision writes; a delivery that would be refused is refused on its
@@ -156,7 +158,7 @@ elseif state and (state == 'succeeded' or state == 'failed') and pub ~= '' and p
   -- as plain Celery runs it. Tokens and generation keep growing; the recovery budget
   -- starts again, since it is this run's.
   recoveries, unstarted_recoveries, isolate = 0, 0, false
-  redis.call('HDEL', key, 'finished_at', 'isolate')
+  redis.call('HDEL', key, 'finished_at', 'isolate', 'waited_deaths')
   count(stats, 'rerun', 1)
 elseif state then
   if is_terminal(state) then
@@ -185,10 +187,11 @@ elseif state then
     end
     -- The owner stopped renewing and no recovery has claimed the lease yet: charged as a
     -- recovery pass would (the record's own bound, as it is this task's).
-    local _, counted, uncertain, is_dead, isolates = charge_death(rec, key, max_recoveries)
+    local _, counted, uncertain, is_dead, isolates
+    _, counted, uncertain, is_dead, isolates, waited = charge_death(rec, key, max_recoveries)
     if is_dead then
       end_lease(key, deadlines, message, task_id, 'dead', now, tonumber(ARGV[11]), 'owner', '',
-                'unstarted_recoveries', uncertain)
+                'unstarted_recoveries', uncertain, 'waited_deaths', waited or 0)
       count(stats, 'dead', 1)
       return {DEAD, token, generation, recoveries, 'dead'}
     end
@@ -229,6 +232,7 @@ elseif rec.shared == '1' then
   extra[3], extra[4] = 'shared', '0'
 end
 if isolate and rec.isolate ~= '1' then extra[#extra + 1] = 'isolate'; extra[#extra + 1] = '1' end
+if waited then extra[#extra + 1] = 'waited_deaths'; extra[#extra + 1] = waited end
 if rec.pub and rec.pub ~= '' and rec.pub ~= pub then
   local pn = num(rec, key, 'pn')
   local n = #extra

@@ -10,7 +10,9 @@
   (_helpers.lua): a recovery when the death is the task's own, an uncertain one
   (bounded by unstarted_limit) when it may not be, and from the second of those
   the task's next runs are isolated (field isolate, answered by acquire); nothing
-  for a lease released unstarted. Past either bound the task becomes dead instead.
+  for a lease released unstarted, nor for an isolated task that died unmarked
+  (a waited death, counted in waited_deaths, bounded by waited_limit). Past any
+  bound the task becomes dead instead.
 
   Input:
     KEYS[1] deadlines sorted set
@@ -23,8 +25,8 @@
   Output: list of {task id, code, generation, recoveries, name, body, envelope},
   or {CORRUPT, key, field, detail} when the deadline index is not a sorted set
     RECOVERED  claimed: publish body/envelope with this generation, then mark_published
-    DEAD       past max recoveries (or the uncertain bound: recoveries then counts the
-               uncertain ones too): the record is now dead. The caller stores the failure
+    DEAD       past max recoveries (or the uncertain or waited bound: recoveries then
+               counts those deaths too): the record is now dead. The caller stores the failure
                (and may dead-letter the body), then confirms with mark_published; an
                unconfirmed dead record is handed out again after the publish grace
     CORRUPT    the record or its message hash is not what this protocol wrote: the row is
@@ -39,8 +41,9 @@ local now = now_ms()
 local out = {}
 local recovered, dead = 0, 0
 local fields = {'state', 'generation', 'recoveries', 'name', 'unstarted', 'max_recoveries', 'token',
-                'started', 'unstarted_recoveries', 'shared', 'alone'}
-local numeric = {'generation', 'recoveries', 'max_recoveries', 'token', 'unstarted_recoveries'}
+                'started', 'unstarted_recoveries', 'shared', 'alone', 'isolate', 'waited_deaths'}
+local numeric = {'generation', 'recoveries', 'max_recoveries', 'token', 'unstarted_recoveries',
+                 'waited_deaths'}
 
 for i = 1, (#KEYS - 2) / 2 do
   local key, message, task_id = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[2 + i]
@@ -78,28 +81,33 @@ for i = 1, (#KEYS - 2) / 2 do
       local limit = max_recoveries
       if rec.max_recoveries then limit = num(rec, key, 'max_recoveries') end
       -- A recovering lease claimed again (its re-publish never confirmed) costs nothing more.
-      local charge, recoveries, uncertain, is_dead, isolates = 'released', num(rec, key, 'recoveries'),
-        num(rec, key, 'unstarted_recoveries'), false, false
+      local charge, recoveries, uncertain, is_dead, isolates, waited = 'released',
+        num(rec, key, 'recoveries'), num(rec, key, 'unstarted_recoveries'), false, false, nil
       if state == 'active' then
-        charge, recoveries, uncertain, is_dead, isolates = charge_death(rec, key, limit)
+        charge, recoveries, uncertain, is_dead, isolates, waited = charge_death(rec, key, limit)
       end
       if is_dead then
         -- Dead; the message stays until the caller confirms its notice
         -- (mark_published), and the index entry brings it back if it never does.
         redis.call('HSET', key, 'state', 'dead', 'owner', '', 'finished_at', now,
-                   'unstarted_recoveries', uncertain)
+                   'unstarted_recoveries', uncertain, 'waited_deaths', waited or 0)
         redis.call('HDEL', key, 'holder')
         redis.call('ZADD', deadlines, now + grace, task_id)
         dead = dead + 1
-        -- Past the uncertain bound, report every abandonment (LeaseExpired names the count).
+        -- Past the uncertain or waited bound, report every abandonment (LeaseExpired names
+        -- the count).
         local abandoned = recoveries
         if charge == 'uncertain' then abandoned = recoveries + uncertain end
+        if charge == 'waited' then abandoned = recoveries + uncertain + waited end
         table.insert(out, {task_id, DEAD, generation - 1, abandoned, rec.name or '', body[1] or '', body[2] or ''})
       else
         local fields = {'state', 'recovering', 'owner', '', 'generation', generation,
                         'recoveries', recoveries, 'attempt', 0, 'unstarted_recoveries', uncertain}
         if isolates then
           fields[#fields + 1] = 'isolate'; fields[#fields + 1] = '1'
+        end
+        if waited then
+          fields[#fields + 1] = 'waited_deaths'; fields[#fields + 1] = waited
         end
         redis.call('HSET', key, unpack(fields))
         redis.call('HDEL', key, 'holder')
