@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_leases import Code, LeaseLost, LeaseStore
-from tests.protocol.scripts_support import A, B, C, SHORT, TTL, acquire, indexed, wait_out
+from tests.protocol.scripts_support import A, B, SHORT, TTL, acquire, indexed, wait_out
 
 
 # -- renew_many ----------------------------------------------------------------
