@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence, Union
 from .calls import compact_json, ms
 from .codes import OUTCOMES
 from .core import StoreCore, one_task
+from . import unwritten
 from .scripts import Script, scripts
 from .transport.resp import segments
 
@@ -171,8 +172,9 @@ def finish_call(core: StoreCore, req: FinishRequest) -> tuple[Script, list, list
         return scripts.hand_over, [key, shard.deadlines, shard.stats, shard.sequence, shard.queued], [
             task_id, req.owner, int(req.token), int(req.next_attempt), ms(wait), int(req.not_after),
             ms(max(0.0, wait - core.settings.publish_grace)), ms(core.settings.delivery_timeout or 0)]
-    if write is not None and req.kept is not None:
-        raise ValueError(f"finish: task {task_id}: a result written by the finish is not kept too")
+    if write is not None and req.kept is not None and unwritten.writes_result(req.kept):
+        raise ValueError(f"finish: task {task_id}: a result written by the finish is not kept too "
+                         f"(keep only its follow-ups: unwritten.pack(write=False))")
     keys = [key, shard.deadlines, shard.stats, keys_of.message(task_id), shard.sequence,
             shard.unwritten, shard.unwritten_results]
     args: list = [task_id, req.owner, int(req.token), outcome, ms(core.settings.retention), int(req.not_after)]

@@ -11,9 +11,15 @@ confirms is handed to the recovery pass (claim_unwritten.lua), which writes it
 unless the backend already holds a result, and confirms it
 (results_written.lua).
 
+The same holds for what the finishing process does after the finish besides
+the result: its *follow-ups* (a chord member's count, link callbacks, a chain's
+next step). They are kept with the result, or alone when the finish wrote the
+result itself, and recovery does those the dead process had not done.
+
 A kept result is one opaque value: a JSON header line (state, task name,
-traceback) then the backend's own encoding of the result. Knows nothing of
-Celery: the wiring encodes and writes (results.py).
+traceback, whether recovery writes the result, the follow-ups) then the
+backend's own encoding of the result. Knows nothing of Celery: the wiring
+encodes, writes and sends (results.py, followups.py).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from .scripts import scripts
 if TYPE_CHECKING:
     from .core import StoreCore
 
-__all__ = ["KEPT_MAX", "UnwrittenResult", "claim", "confirm", "count", "pack"]
+__all__ = ["KEPT_MAX", "UnwrittenResult", "claim", "confirm", "count", "pack", "writes_result"]
 
 #: Largest encoded result kept (bytes): a bigger one is left to Celery's own write
 #: alone, so a finish never carries a large payload twice (docs/celery.md).
@@ -48,22 +54,41 @@ class UnwrittenResult:
     encoded: bytes
     #: When the finish kept it (the finishing process's clock, seconds since the epoch).
     kept_at: float = 0.0
+    #: False when recovery must not write the result (the finish wrote it, or Celery stores
+    #: none): only the follow-ups are kept.
+    write: bool = True
+    #: What the process does after the finish besides the result, as the wiring described
+    #: it (JSON values); None: nothing.
+    follow_ups: dict | None = None
 
     @classmethod
     def unpack(cls, task_id: str, value: bytes) -> "UnwrittenResult":
         head, _, encoded = value.partition(b"\n")
         meta = json.loads(head)
         return cls(task_id, str(meta["state"]), str(meta.get("name") or ""), meta.get("traceback"),
-                   encoded, float(meta.get("at") or 0.0))
+                   encoded, float(meta.get("at") or 0.0), bool(meta.get("write", True)),
+                   meta.get("after"))
 
 
 def pack(state: str, name: str, traceback: str | None, encoded: bytes | str,
-         at: float | None = None) -> bytes:
-    """The kept value finish.lua stores for one outcome (``at``: now by default)."""
-    head = json.dumps({"state": state, "name": name, "traceback": traceback,
-                       "at": round(time.time() if at is None else at, 3)},
-                      separators=(",", ":")).encode()
+         at: float | None = None, *, write: bool = True, follow_ups: dict | None = None) -> bytes:
+    """The kept value finish.lua stores for one outcome (``at``: now by default).
+
+    Raises TypeError or ValueError when ``follow_ups`` is not JSON."""
+    meta: dict[str, Any] = {"state": state, "name": name, "traceback": traceback,
+                            "at": round(time.time() if at is None else at, 3)}
+    if not write:
+        meta["write"] = False
+    if follow_ups:
+        meta["after"] = follow_ups
+    head = json.dumps(meta, separators=(",", ":")).encode()
     return head + b"\n" + (encoded.encode("utf-8") if isinstance(encoded, str) else encoded)
+
+
+def writes_result(kept: bytes) -> bool:
+    """Whether recovery would write the result of this kept value (``pack(write=...)``)."""
+    head = kept.partition(b"\n")[0]
+    return bool(json.loads(head).get("write", True))
 
 
 def claim(store: "StoreCore", limit: int | None = None) -> list[UnwrittenResult]:

@@ -183,7 +183,7 @@ class LeasedTask(Task):
             raise
         write = fused_write(self, request, retval, lease.store)
         self._finish(lease, "succeeded", write=write,
-                     kept=None if write is not None else keep_success(self, request, retval))
+                     kept=keep_success(self, request, retval, written=write is not None))
         if write is not None:
             mark_stored(request)
         if request.callbacks or request.chain:

@@ -35,6 +35,7 @@ from ..protocol import unwritten
 from ..protocol.records import RecoveryReport
 from ..protocol.unwritten import KEPT_MAX, UnwrittenResult
 from ..signals import result_written_by_recovery
+from . import followups
 
 logger = logging.getLogger("celery_leases.results")
 
@@ -123,7 +124,8 @@ def _stores_results(task: Any, request: Any, failure: bool) -> bool:
     return True
 
 
-def _kept(task: Any, request: Any, state: str, result: Any, traceback: str | None) -> bytes | None:
+def _kept(task: Any, request: Any, state: str, result: Any, traceback: str | None,
+          write: bool, follow_ups: dict | None) -> bytes | None:
     backend = task.backend
     try:
         encoded = backend.encode(result)
@@ -131,29 +133,35 @@ def _kept(task: Any, request: Any, state: str, result: Any, traceback: str | Non
         return None
     if len(encoded) > KEPT_MAX:
         return None  # left to Celery's write alone (docs/celery.md)
-    return unwritten.pack(state, task.name, traceback, encoded)
+    return unwritten.pack(state, task.name, traceback, encoded, write=write, follow_ups=follow_ups)
 
 
-def keep_success(task: Any, request: Any, retval: Any) -> bytes | None:
-    """The kept value for a success Celery stores after the finish; None when it stores none."""
-    if not _stores_results(task, request, failure=False):
+def keep_success(task: Any, request: Any, retval: Any, written: bool = False) -> bytes | None:
+    """The kept value for a success: the result Celery stores after the finish (unless
+    ``written``: the finish writes it) and the follow-ups; None when there is neither."""
+    write = not written and _stores_results(task, request, failure=False)
+    after = followups.describe(task, request, states.SUCCESS)
+    if not write and not after:
         return None
     try:
         result = task.backend.encode_result(retval, states.SUCCESS)
     except Exception:  # noqa: BLE001 - as above
         return None
-    return _kept(task, request, states.SUCCESS, result, None)
+    return _kept(task, request, states.SUCCESS, result, None, write, after)
 
 
 def keep_failure(task: Any, request: Any, exc: BaseException, traceback: str | None) -> bytes | None:
-    """The kept value for a failure Celery stores after the finish; None when it stores none."""
-    if not _stores_results(task, request, failure=True):
+    """The kept value for a failure: the result Celery stores after the finish and a chord
+    member's part; None when there is neither."""
+    write = _stores_results(task, request, failure=True)
+    after = followups.describe(task, request, states.FAILURE)
+    if not write and not after:
         return None
     try:
         result = task.backend.prepare_exception(exc)
     except Exception:  # noqa: BLE001 - as above
         return None
-    return _kept(task, request, states.FAILURE, result, traceback)
+    return _kept(task, request, states.FAILURE, result, traceback, write, after)
 
 
 class Confirmations:
@@ -263,20 +271,27 @@ class ResultWriter:
         return report
 
     def write(self, item: UnwrittenResult) -> bool:
-        """Store ``item`` unless the backend holds a result for its task; True if written."""
+        """Store ``item``'s result unless the backend holds one for its task, then do the
+        follow-ups its process may not have done (followups.py); True if a result was written."""
         backend = self.app.backend
-        meta = backend.get_task_meta(item.task_id, cache=False)
-        if meta.get("status") in states.READY_STATES:
-            return False  # Celery wrote it; only the confirmation was lost
         value = backend.decode(item.encoded)
         if item.state == states.FAILURE:
             value = backend.exception_to_python(value)
-        backend.store_result(item.task_id, value, item.state, traceback=item.traceback)
-        logger.warning("task %s[%s]: %s result written by recovery: the process that finished it "
-                       "died after its outcome was accepted, before Celery stored the result",
-                       item.name, item.task_id, item.state)
-        result_written_by_recovery.send(sender=self.app, task_id=item.task_id, state=item.state)
-        return True
+        wrote = stored = False
+        if item.write:
+            meta = backend.get_task_meta(item.task_id, cache=False)
+            stored = meta.get("status") in states.READY_STATES  # Celery wrote it
+            if not stored:
+                backend.store_result(item.task_id, value, item.state, traceback=item.traceback)
+                logger.warning("task %s[%s]: %s result written by recovery: the process that finished "
+                               "it died after its outcome was accepted, before Celery stored the result",
+                               item.name, item.task_id, item.state)
+                result_written_by_recovery.send(sender=self.app, task_id=item.task_id, state=item.state)
+                wrote = True
+        if item.follow_ups:
+            followups.redo(self.app, self.store, item.task_id, item.name, item.state, value,
+                           item.follow_ups, tracer_done=stored)
+        return wrote
 
 
 def attach(app: Any, store: Any) -> None:

@@ -110,6 +110,19 @@ def test_a_kept_result_and_a_result_written_by_the_finish_exclude_each_other(sto
         store.finish("t1", A, acq.token, "succeeded", write=("k", "v", 0), kept=KEPT)
 
 
+def test_a_finish_that_writes_its_result_may_keep_its_follow_ups(store):
+    # Given a finish writing the result itself and keeping only what follows it (a chord part)
+    acq = acquire(store, "t1", A)
+    kept = unwritten.pack("SUCCESS", "proj.add", None, b"5", write=False,
+                          follow_ups={"chord": {"group": "g"}})
+    store.finish("t1", A, acq.token, "succeeded", write=("result-of-t1", "v", 0),
+                 kept=kept, kept_due=0.001)
+    time.sleep(0.01)
+    # Then recovery is handed the follow-ups, not a result to write
+    (item,) = unwritten.claim(store)
+    assert (item.task_id, item.write, item.follow_ups) == ("t1", False, {"chord": {"group": "g"}})
+
+
 def test_a_corrupt_unwritten_index_is_named(store):
     # Given the index of kept results is not a sorted set
     store.client.set(store.keys.shard_for("t1").unwritten, "junk")

@@ -108,6 +108,38 @@ def create_app(env: Mapping[str, str]) -> Celery:
         return sum(values)
 
 
+    class DiesOnceAfter(LeasedTask):
+        """Kills its own process the first time it gets to ``die_after`` of a success: "finish"
+        (accepted, before Celery's tracer stored the result, counted a chord part or this
+        task sent its callbacks) or "return" (all of that done, not yet confirmed)."""
+
+        die_after = "finish"
+
+        def _die_once(self, task_id):
+            if sink.set(f"{prefix}:died:{task_id}", 1, nx=True):
+                record("died", task_id, after=self.die_after)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def _finish(self, lease, outcome, *args, **kwargs):
+            super()._finish(lease, outcome, *args, **kwargs)
+            if outcome == "succeeded" and self.die_after == "finish":
+                self._die_once(lease.task_id)
+
+        def after_return(self, status, retval, task_id, *args, **kwargs):
+            super().after_return(status, retval, task_id, *args, **kwargs)
+            if status == "SUCCESS" and self.die_after == "return":
+                self._die_once(task_id)
+
+    @app.task(base=DiesOnceAfter, bind=True, shared=False)
+    def add_then_die(self, x, y):
+        record("start", self.request.id, token=self.lease.token)
+        return x + y
+
+    @app.task(base=DiesOnceAfter, bind=True, shared=False, die_after="return")
+    def add_then_die_late(self, x, y):
+        record("start", self.request.id, token=self.lease.token)
+        return x + y
+
     @app.task(base=LeasedTask, bind=True, shared=False)
     def note_callback(self, value):
         record("callback", self.request.id, value=value)
