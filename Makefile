@@ -41,7 +41,8 @@ test: venv promtool $(PYTEST_CELERY_LIB) $(HIREDIS_LIB)
 # Every seed and pool of the poison-pill scenarios (tests/adversarial/test_poison_pills_*.py:
 # threads and gevent with seeds 1 and 2, eventlet); make test runs threads and gevent with seed 1.
 # Every test make test leaves out as a long form (marker long: the pill scenarios' other
-# seeds and pools, the outbox's two relays over 10,000 rows).
+# seeds and pools, the outbox's two relays over 10,000 rows, the sample of Celery's own
+# integration suite).
 .PHONY: long
 long: venv
 	$(VENV)/bin/pytest -q -ra -n 2 --dist loadfile -m long tests/
@@ -138,7 +139,7 @@ adversarial: venv
 # then with every task leased; exits 1 if a test fails only when leased
 # (docs/compatibility.md). CELERY_SUITE_ARGS narrows it: "-k test_retry", or a
 # test id such as t/integration/test_tasks.py::test_tasks::test_retry.
-# make test runs a quick sample of it (tests/deployments/test_celery_suite_sample.py).
+# make long runs a quick sample of it (tests/deployments/test_celery_suite_sample.py).
 CELERY_SUITE_ARGS ?=
 
 .PHONY: celery-suite

@@ -17,7 +17,7 @@ pytest_plugins = ("celery.contrib.pytest",)
 #: work through the rest meanwhile, instead of one long module starting last.
 #: (Six on two cores: most tests wait on real workers and servers, not on CPU; on
 #: 2026-12-07 the same tree took 9 min 41 s with six, 12 min 19 s with four.)
-LONG_MODULES = ("test_chaos.py", "test_celery_suite_sample.py")
+LONG_MODULES = ("test_chaos.py",)
 
 
 #: Fixtures that start real ``celery worker`` processes: a test using one is ``slow``.

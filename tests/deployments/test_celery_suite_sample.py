@@ -17,6 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# A long form (make long): about 100 s of a make test already at its 10-minute limit;
+# make celery-suite runs the whole suite.
+pytestmark = pytest.mark.long
+
+
 @pytest.mark.timeout(900)
 def test_no_test_of_the_sample_fails_only_when_leased():
     # The leased run, then plain Celery only for what failed leased (--mode leased-first).
