@@ -2,7 +2,7 @@
 
 Usage, from the repository root::
 
-    .venv/bin/python bench/script_cost.py [-n 300] [--batch 4] [--json PATH]
+    .venv/bin/python bench/script_cost.py [-n 300] [--batch 4] [--json PATH] [--keep DIR]
 
 Wall-clock server time (``INFO commandstats``) moves by half on a shared
 two-core machine; instructions do not. This starts a throwaway ``redis-server``
@@ -63,11 +63,11 @@ def _free_port() -> int:
 class Counted:
     """A redis-server under callgrind, its instruction counter read around each phase."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str, keep: bool = False) -> None:
         for tool in ("valgrind", "callgrind_control", "redis-server"):
             if shutil.which(tool) is None:
                 raise SystemExit(f"script_cost: {tool} is not installed (apt-get install valgrind redis-server)")
-        self.port, self.out_dir, self.dumps = _free_port(), out_dir, 0
+        self.port, self.out_dir, self.dumps, self.keep = _free_port(), out_dir, 0, keep
         self.proc = subprocess.Popen(
             ["valgrind", "--tool=callgrind",
              f"--callgrind-out-file={out_dir}/callgrind.%p.out",
@@ -89,11 +89,13 @@ class Counted:
         return subprocess.run(["callgrind_control", *args, str(self.proc.pid)], capture_output=True,
                               text=True, check=True).stdout
 
-    def dump(self) -> int:
+    def dump(self, name: str = "") -> int:
         """Instructions executed since the previous dump: callgrind writes them to a new file,
         whose ``summary:`` line is read once the file is complete. (The server is idle while it
         dumps, so each dump ends exactly where a phase's last reply left; switching
-        instrumentation on and off instead takes effect late and can cut a phase short.)"""
+        instrumentation on and off instead takes effect late and can cut a phase short.)
+        With ``keep``, a named phase's file stays, as ``script-cost.<name>.callgrind``, for
+        ``callgrind_annotate`` (which functions of the server the phase's instructions ran in)."""
         self.dumps += 1
         path = Path(f"{self.out_dir}/callgrind.{self.proc.pid}.out.{self.dumps}")
         self._control(f"--dump=phase{self.dumps}")
@@ -102,25 +104,28 @@ class Counted:
             text = path.read_text() if path.exists() else ""
             for line in text.splitlines():
                 if line.startswith("summary:") or line.startswith("totals:"):
-                    path.unlink()
+                    if self.keep and name:
+                        path.rename(Path(self.out_dir) / f"script-cost.{name.replace(' ', '-').replace(',', '')}.callgrind")
+                    else:
+                        path.unlink()
                     return int(line.split()[1])
             if time.monotonic() > deadline:
                 raise SystemExit(f"script_cost: callgrind wrote no {path}")
             time.sleep(0.05)
 
-    def count(self, run: Callable[[], Any]) -> int:
+    def count(self, run: Callable[[], Any], name: str = "") -> int:
         """Instructions the server executed while ``run`` ran."""
         self.dump()
         run()
-        return self.dump()
+        return self.dump(name)
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
 
 
-def measure(n: int, batch: int, out_dir: str) -> dict[str, float]:
-    server = Counted(out_dir)
+def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, float]:
+    server = Counted(out_dir, keep)
     try:
         c = server.client
         store = LeaseStore(c, prefix="cost")
@@ -194,7 +199,7 @@ def measure(n: int, batch: int, out_dir: str) -> dict[str, float]:
         for name, run in phases:
             if name == "finish, no result":
                 acquire(bare)()  # (not counted: the same acquires as above)
-            per[name] = server.count(run) / n
+            per[name] = server.count(run, name) / n
         per["enqueue"] /= 2  # it recorded both sets of ids
         return per
     finally:
@@ -206,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=300, help="tasks per phase (default 300)")
     parser.add_argument("--batch", type=int, default=4, help="acquires per acquire_many call (default 4)")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results-script-cost.json"))
+    parser.add_argument("--keep", metavar="DIR", help="keep each phase's callgrind file in DIR "
+                        "(script-cost.<phase>.callgrind) for callgrind_annotate")
     args = parser.parse_args(argv)
-    out_dir = os.environ.get("TMPDIR", "/tmp")
-    per = measure(args.n, args.batch, out_dir)
+    out_dir = args.keep or os.environ.get("TMPDIR", "/tmp")
+    per = measure(args.n, args.batch, out_dir, keep=bool(args.keep))
     base = per["kombu ack bookkeeping"]
     lease = per["acquire"] + per["finish, no result"]
     rows = [[name, f"{ir:,.0f}", f"{ir / base:.2f}"] for name, ir in per.items()]

@@ -175,13 +175,21 @@ def finish_call(core: StoreCore, req: FinishRequest) -> tuple[Script, list, list
     if write is not None and req.kept is not None and unwritten.writes_result(req.kept):
         raise ValueError(f"finish: task {task_id}: a result written by the finish is not kept too "
                          f"(keep only its follow-ups: unwritten.pack(write=False))")
-    keys = [key, shard.deadlines, shard.stats, keys_of.message(task_id), shard.sequence,
-            shard.unwritten, shard.unwritten_results]
+    keys = [key, shard.deadlines, shard.stats, keys_of.message(task_id), shard.sequence]
     args: list = [task_id, req.owner, int(req.token), outcome, ms(core.settings.retention), int(req.not_after)]
+    # The optional rest only as far as it is used (finish.lua's header): every key and
+    # argument costs the server its time.
+    riding = bool(req.kept) or bool(req.written)
     if write is not None:
+        if write[1] in ("", b""):
+            raise ValueError(f"finish: task {task_id}: the result written with the outcome to "
+                             f"{write[0]!r} is empty")
         keys.append(write[0])
         args += [write[1], int(write[2] or 0)]
-    else:
+    elif riding:
+        keys.append(key)  # (a placeholder: no result is written)
         args += ["", 0]
-    args += [req.kept or "", ms(req.kept_due), *req.written]
+    if riding:
+        keys += [shard.unwritten, shard.unwritten_results]
+        args += [req.kept or "", ms(req.kept_due), *req.written]
     return scripts.finish, keys, args

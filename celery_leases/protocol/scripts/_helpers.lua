@@ -4,9 +4,11 @@
   defined earlier in this file), and before them only the constants its code names: the
   return codes of celery_leases/protocol/codes.py (local OK = 10, local LOST = 7, ...: the
   Code enum is their only definition), KNOWN_STATES and TERMINAL_STATES, the sets of every
-  state and of the terminal ones. Each helper is one top-level `local function ... end`.
+  state and of the terminal ones, and CLOCK, the call's memo of the server clock (now_ms).
+  Each helper is one top-level `local function ... end`.
 
-  now_ms()                   server clock in milliseconds (TIME), never a worker's
+  now_ms()                   server clock in milliseconds (TIME), never a worker's; read once per
+                             call
   or_corrupt(key, reply)     a pcall reply, or raise CORRUPT naming the key (a key of the wrong type)
   read(key, fields...)       HMGET as a table keyed by field name
   num(rec, key, field)       a numeric field or an error naming key and field
@@ -53,7 +55,9 @@
                              now, ttl, generation, recoveries, attempt, progress_timeout, name,
                              max_recoveries, started, unstarted_recoveries, hn, body, envelope,
                              pub, persist, persist_message, ran: a run before this one may have
-                             left fields to overwrite; ``extra``: more field/value pairs),
+                             left fields to overwrite; queued: the record holds this task's id
+                             and name; same_counts: it holds this generation, recoveries and
+                             attempt; ``extra``: more field/value pairs),
                              store the message (with the publish id it belongs to) when a body
                              is given, index the deadline; the record loses any expiry unless
                              ``persist`` is false (a record that never had one), a kept stored
@@ -69,8 +73,15 @@
                              wrote them; finish.lua (riding along) and results_written.lua
 ]]
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  -- Read once per call (CLOCK is the call's own table): a script is one atomic step, and a
+  -- call of many acquires (acquire_many) would otherwise pay a TIME for each.
+  local ms = CLOCK[1]
+  if not ms then
+    local t = redis.call('TIME')
+    ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    CLOCK[1] = ms
+  end
+  return ms
 end
 
 local function or_corrupt(key, reply)
@@ -277,15 +288,27 @@ local function activate(key, deadlines, stats, message, l, extra)
   -- not at receipt, where a prefetched task may wait longer than it to start.
   local progress_deadline = 0
   if l.progress_timeout > 0 and l.started == '1' then progress_deadline = l.now + l.progress_timeout end
+  -- Each field costs the HSET its time (the record is a compact hash, searched field by
+  -- field), so a field the record already holds with the value to write is left alone:
+  -- a task recorded at publish holds its id and name (l.queued), and its counts unless
+  -- they change (l.same_counts).
   local fields = {
-    'task_id', l.task_id, 'state', 'active', 'token', tok, 'owner', l.owner,
-    'holder', tok .. '@' .. l.owner, 'ttl', l.ttl, 'generation', l.generation,
-    'recoveries', l.recoveries, 'attempt', l.attempt, 'acquired_at', l.now, 'name', l.name,
+    'state', 'active', 'token', tok, 'owner', l.owner,
+    'holder', tok .. '@' .. l.owner, 'ttl', l.ttl, 'acquired_at', l.now,
     'max_recoveries', l.max_recoveries, 'started', l.started,
     history_fields(key, l.hn, tok .. '@' .. l.owner .. '@' .. string.format('%d', l.now))}
-  -- Fields whose absence reads as 0 (and as not released) are written only when they are not
-  -- 0 or an earlier run (l.ran) may have left them: each field costs the write its time.
   local n = #fields
+  if not l.queued then
+    fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'task_id', l.task_id, 'name', l.name
+    n = n + 4
+  end
+  if not l.same_counts then
+    fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4], fields[n + 5], fields[n + 6] =
+      'generation', l.generation, 'recoveries', l.recoveries, 'attempt', l.attempt
+    n = n + 6
+  end
+  -- Fields whose absence reads as 0 (and as not released) are written only when they are not
+  -- 0 or an earlier run (l.ran) may have left them.
   if l.ran or l.progress_timeout > 0 then
     fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] =
       'progress_timeout', l.progress_timeout, 'progress_deadline', progress_deadline

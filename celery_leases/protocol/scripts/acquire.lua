@@ -222,6 +222,8 @@ if new_token < floor then
   new_token = floor
   redis.call('SET', seq, string.format('%d', new_token))
 end
+-- (What the record already holds is not written again: activate.)
+local same_counts = state == 'queued' and msg_gen <= generation and msg_attempt == attempt
 if msg_gen > generation then generation = msg_gen end
 
 -- The publish this delivery belongs to; the one before it joins the remembered ones.
@@ -249,7 +251,7 @@ activate(key, deadlines, stats, message, {
   persist = state ~= nil and state ~= false and state ~= 'queued',
   persist_message = omitted and state ~= 'queued',
   -- Fields of an earlier run to overwrite, only if there was one.
-  ran = ran}, extra)
+  ran = ran, queued = state == 'queued', same_counts = same_counts}, extra)
 if code == TAKEN_OVER then count(stats, 'taken_over', 1) end
 if queued then redis.call('ZREM', KEYS[6], task_id) end
 return {code, new_token, generation, recoveries, 'active', isolate and 1 or 0}

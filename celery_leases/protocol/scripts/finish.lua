@@ -37,18 +37,20 @@
     ARGV[4] outcome: succeeded | failed | revoked
     ARGV[5] retention in ms
     ARGV[6] server-clock ms after which this finish must not apply (0: no limit)
-    KEYS[6] unwritten results sorted set of the task's shard
-    KEYS[7] unwritten results hash of the task's shard
-    KEYS[8] optional: a key written together with an accepted outcome
-            (a result-backend record: the outcome and its result then land
-            atomically, or neither does)
-    ARGV[7] value stored at KEYS[8] and published on the channel KEYS[8] ('' without KEYS[8])
-    ARGV[8] seconds KEYS[8] lives (0: no expiry)
-    ARGV[9] the outcome's result to keep until Celery wrote it ('': none)
-    ARGV[10] ms from now when recovery writes a kept result nobody confirmed
-    ARGV[11..] ids of tasks of this shard whose kept results Celery has written since
-            (confirmations riding along): dropped from KEYS[6] and KEYS[7] whatever the
+    KEYS[6] optional: a key written together with an accepted outcome, when ARGV[7] is not ''
+            (a result-backend record: the outcome and its result then land atomically, or
+            neither does); otherwise a placeholder (the record's key) for KEYS[7..8]
+    ARGV[7] optional: value stored at KEYS[6] and published on the channel KEYS[6] ('': no write)
+    ARGV[8] optional: seconds KEYS[6] lives (0: no expiry)
+    KEYS[7] optional: unwritten results sorted set of the task's shard (with ARGV[9..])
+    KEYS[8] optional: unwritten results hash of the task's shard (with ARGV[9..])
+    ARGV[9] optional: the outcome's result to keep until Celery wrote it ('': none)
+    ARGV[10] optional: ms from now when recovery writes a kept result nobody confirmed
+    ARGV[11..] optional: ids of tasks of this shard whose kept results Celery has written since
+            (confirmations riding along): dropped from KEYS[7] and KEYS[8] whatever the
             answer about this task
+    (A caller sends the optional tail only as far as it uses it: each key and argument costs
+    the call its time. A finish that writes and keeps nothing sends KEYS[1..5], ARGV[1..6].)
 
   Output: {code, token, state}, or {CORRUPT, key, field, detail}
     OK        the outcome was accepted (now, or by an earlier copy of this finish)
@@ -62,7 +64,8 @@
 local key, deadlines, stats, message, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local not_after = tonumber(ARGV[6]) or 0
-local unwritten, unwritten_results, result_key = KEYS[6], KEYS[7], KEYS[8]
+local result_key = (ARGV[7] or '') ~= '' and KEYS[6]
+local unwritten, unwritten_results = KEYS[7], KEYS[8]
 local kept = ARGV[9] or ''
 
 local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
