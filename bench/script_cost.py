@@ -18,8 +18,11 @@ before and after each phase, ``callgrind_control --dump``):
 - the baselines, measured in the same run: kombu's Redis ack emulation for one
   message (``QoS.append``'s pipeline of ZADD + HSET at delivery, ``QoS.ack``'s
   ZREM + HDEL), which lease-held deliveries replace; Celery's own result write
-  (SET with expiry + PUBLISH); a ``PING``; and floors of the Lua runtime (an
-  EVALSHA of ``return 1``, and one of a single ``redis.call``).
+  (SET with expiry + PUBLISH); a ``PING``; floors of the Lua runtime (an
+  EVALSHA of ``return 1``, and one of a single ``redis.call``); and the floor
+  of the scripts' design: the commands of the acquire (batched as above, with
+  the marks) and of the finish without a result, run for their own tasks with
+  the same keys and arguments but none of the scripts' Lua around them.
 
 The table gives instructions per task and each phase's ratio against kombu's
 ack bookkeeping. Instructions are not microseconds: the same run's ``PING``
@@ -48,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from celery_leases import LeaseStore  # noqa: E402
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks  # noqa: E402
+from celery_leases.protocol.transitions import FinishRequest, acquire_many_call, finish_call  # noqa: E402
 from bench._common import git_state, markdown_table  # noqa: E402
 
 BODY = b"x" * 300
@@ -124,6 +128,49 @@ class Counted:
         self.proc.wait(30)
 
 
+# The floor of the scripts as they are: the commands an acquire_many call and a finish
+# without a result run for tracked tasks recorded at publish (the same keys and arguments,
+# the same writes), with none of the Lua around them (no validation, no decisions).
+# What the real phases cost above these is the scripts' own Lua.
+ACQUIRE_COMMANDS = """
+local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = t[1] * 1000
+for k = 1, m do
+  local key = KEYS[6 * n + 1 + k]
+  redis.call('HMGET', key, 'holder', 'progress_timeout', 'progress_deadline')
+  redis.call('HSET', key, 'started', '1')
+end
+if m > 0 then redis.call('HINCRBY', KEYS[6 * n + 1], 'started', m) end
+for i = 1, n do
+  local kb, ab = 6 * (i - 1), 3 + m + 15 * (i - 1)
+  redis.call('HMGET', KEYS[kb + 1], 'state', 'token', 'generation', 'recoveries', 'attempt', 'hn', 'pub')
+  redis.call('ZSCORE', KEYS[kb + 2], ARGV[ab + 1])
+  if i == 1 then redis.call('TYPE', KEYS[kb + 6]) end
+  redis.call('HGET', KEYS[kb + 5], 'pub')
+  local tok = redis.call('INCR', KEYS[kb + 3])
+  redis.call('HSET', KEYS[kb + 1], 'state', 'active', 'token', tok, 'owner', ARGV[ab + 2],
+             'holder', tok .. '@' .. ARGV[ab + 2], 'ttl', ARGV[ab + 3], 'acquired_at', now,
+             'max_recoveries', ARGV[ab + 6], 'started', '0', 'h:0', tok .. '@' .. ARGV[ab + 2] .. '@' .. now,
+             'hn', 1, 'pub', ARGV[ab + 13])
+  redis.call('ZADD', KEYS[kb + 2], now + ARGV[ab + 3], ARGV[ab + 1])
+  redis.call('HINCRBY', KEYS[kb + 4], 'acquired', 1)
+  redis.call('ZREM', KEYS[kb + 6], ARGV[ab + 1])
+end
+return 1
+"""
+FINISH_COMMANDS = """
+redis.call('HMGET', KEYS[1], 'state', 'token', 'owner')
+local t = redis.call('TIME')
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'state', ARGV[4], 'finished_at', t[1] * 1000, 'holder', '')
+redis.call('DEL', KEYS[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+return 1
+"""
+
+
 def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, float]:
     server = Counted(out_dir, keep)
     try:
@@ -135,11 +182,12 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
         warm = store.acquire("warm", "w1", body=BODY, envelope=ENVELOPE)   # scripts loaded outside
         store.finish("warm", "w1", warm.token, "succeeded", write=("cost:r:warm", "{}", 60))
         queued.enqueue(QueuedTask("warm2", "bench.noop", BODY, ENVELOPE))
+        floor_ids = [uuid.uuid4().hex for _ in range(n)]
         tokens: dict[str, int] = {}
         per: dict[str, float] = {}
 
         def enqueue() -> None:
-            for i in ids + bare:
+            for i in ids + bare + floor_ids:
                 queued.enqueue(QueuedTask(i, "bench.noop", BODY, ENVELOPE, publish="p" + i))
 
         def acquire(which: list[str]) -> Callable[[], None]:
@@ -180,6 +228,21 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
             for _ in ids:
                 c.ping()
 
+        def floor(which: list[str]) -> Callable[[], None]:
+            acquire_sha, finish_sha = c.script_load(ACQUIRE_COMMANDS), c.script_load(FINISH_COMMANDS)
+
+            def run() -> None:
+                for k in range(0, len(which), batch):
+                    reqs = [dict(task_id=i, owner="w1", name="bench.noop", body=BODY, envelope=ENVELOPE,
+                                 publish="p" + i, recorded=True) for i in which[k:k + batch]]
+                    starts = {i: 1 for i in which[max(0, k - batch):k]} if k else None
+                    keys, args = acquire_many_call(store, reqs, "w1", starts)
+                    c.evalsha(acquire_sha, len(keys), *keys, *args)
+                for i in which:
+                    _, keys, args = finish_call(store, FinishRequest(i, "w1", 1, "succeeded"))
+                    c.evalsha(finish_sha, len(keys), *keys, *args)
+            return run
+
         one_call = c.script_load("return redis.call('EXISTS', KEYS[1])")
         empty = c.script_load("return 1")
 
@@ -195,12 +258,13 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
             ("kombu ack bookkeeping", kombu_acks), ("Celery result write", result_writes),
             ("PING", pings), ("EVALSHA return 1", lua_floor(empty)),
             ("EVALSHA, one redis.call", lua_floor(one_call)),
+            ("floor: acquire + finish, commands alone", floor(floor_ids)),
         ]
         for name, run in phases:
             if name == "finish, no result":
                 acquire(bare)()  # (not counted: the same acquires as above)
             per[name] = server.count(run, name) / n
-        per["enqueue"] /= 2  # it recorded both sets of ids
+        per["enqueue"] /= 3  # it recorded every set of ids
         return per
     finally:
         server.stop()
@@ -220,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     lease = per["acquire"] + per["finish, no result"]
     rows = [[name, f"{ir:,.0f}", f"{ir / base:.2f}"] for name, ir in per.items()]
     rows.append(["lease per task (acquire + finish, no result)", f"{lease:,.0f}", f"{lease / base:.2f}"])
+    lua = lease - per["floor: acquire + finish, commands alone"]
+    rows.append(["of which the scripts' Lua (lease per task - floor)", f"{lua:,.0f}", f"{lua / base:.2f}"])
     table = markdown_table(["phase (per task)", "instructions", "/ kombu acks"], rows)
     print(table)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -40,12 +40,13 @@ def _read(name: str) -> str:
 
 def constants() -> list[tuple[str, str]]:
     """(name, Lua line) of every return code and of the known and the terminal states, from
-    codes.py (their only copy), and the call's clock memo (now_ms)."""
+    codes.py (their only copy), and the call's memos (now_ms's clock, check_type's types)."""
     lines = [(code.name, f"local {code.name} = {int(code)}") for code in Code]
     lines.append(("TERMINAL_STATES", "local TERMINAL_STATES = {"
                   + ", ".join(f"{s} = true" for s in sorted(TERMINAL_STATES)) + "}"))
     lines.append(("KNOWN_STATES", "local KNOWN_STATES = {" + ", ".join(f"{s} = true" for s in STATES) + "}"))
     lines.append(("CLOCK", "local CLOCK = {}"))  # now_ms's memo: the server clock, read once per call
+    lines.append(("TYPES", "local TYPES = {}"))  # check_type's memo: one TYPE per key and call
     return lines
 
 

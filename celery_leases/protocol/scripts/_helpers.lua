@@ -4,7 +4,8 @@
   defined earlier in this file), and before them only the constants its code names: the
   return codes of celery_leases/protocol/codes.py (local OK = 10, local LOST = 7, ...: the
   Code enum is their only definition), KNOWN_STATES and TERMINAL_STATES, the sets of every
-  state and of the terminal ones, and CLOCK, the call's memo of the server clock (now_ms).
+  state and of the terminal ones, and the call's memos: CLOCK, of the server clock (now_ms),
+  and TYPES, of the keys' types (check_type).
   Each helper is one top-level `local function ... end`.
 
   now_ms()                   server clock in milliseconds (TIME), never a worker's; read once per
@@ -129,7 +130,13 @@ local function wrong_type(reply)
 end
 
 local function check_type(key, want)
-  local t = redis.call('TYPE', key).ok
+  -- One TYPE per key and call (TYPES is the call's memo): a call's own writes never change
+  -- a key's type, and acquire_many's acquires share their shard's keys.
+  local t = TYPES[key]
+  if not t then
+    t = redis.call('TYPE', key).ok
+    TYPES[key] = t
+  end
   if t ~= 'none' and t ~= want then
     return corrupt(key, 'type', 'is a ' .. t .. ', not a ' .. want)
   end
