@@ -78,7 +78,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     @app.task(name="bench.leased_hold", base=LeasedTask, shared=False)
     def leased_hold(max_seconds=60.0):
         """Holds its lease until the benchmark sets the stop key (or max_seconds pass)."""
-        client = client_for(broker)
+        client = client_for(backend)  # (the benchmark's Redis, also when the broker is RabbitMQ)
         deadline = time.monotonic() + max_seconds
         while time.monotonic() < deadline and not client.exists(stop_key):
             time.sleep(0.2)

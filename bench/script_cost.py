@@ -2,7 +2,7 @@
 
 Usage, from the repository root::
 
-    .venv/bin/python bench/script_cost.py [-n 300] [--batch 4] [--json PATH] [--keep DIR]
+    .venv/bin/python bench/script_cost.py [-n 300] [--batch 4] [--json PATH] [--keep DIR] [--wall 5]
 
 Wall-clock server time (``INFO commandstats``) moves by half on a shared
 two-core machine; instructions do not. This starts a throwaway ``redis-server``
@@ -25,8 +25,12 @@ before and after each phase, ``callgrind_control --dump``):
   the same keys and arguments but none of the scripts' Lua around them.
 
 The table gives instructions per task and each phase's ratio against kombu's
-ack bookkeeping. Instructions are not microseconds: the same run's ``PING``
-and ``return 1`` calibrate them (see docs/benchmarks.md, "Lease store cost").
+ack bookkeeping. With ``--wall ROUNDS``, a second table reads the same in the
+target's unit, the server's µs per task (``INFO commandstats`` of a plain
+redis-server, alternated rounds): the lease's acquire and finish, their
+commands alone, and those of a packed record (a design weighed, not built).
+Instructions are not microseconds: the same run's ``PING`` and ``return 1``
+calibrate them (see docs/benchmarks.md, "Lease store cost").
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -55,6 +60,7 @@ from celery_leases.protocol.transitions import FinishRequest, acquire_many_call,
 from bench._common import git_state, markdown_table  # noqa: E402
 
 BODY = b"x" * 300
+TARGET_USEC = 50  # a lease's own server time per task (acquire + finish), docs/benchmarks.md
 ENVELOPE = {"routing_key": "celery", "exchange": "", "headers": {"task": "bench.noop"}}
 
 
@@ -109,7 +115,8 @@ class Counted:
             for line in text.splitlines():
                 if line.startswith("summary:") or line.startswith("totals:"):
                     if self.keep and name:
-                        path.rename(Path(self.out_dir) / f"script-cost.{name.replace(' ', '-').replace(',', '')}.callgrind")
+                        kept = name.replace(" ", "-").replace(",", "")
+                        path.rename(Path(self.out_dir) / f"script-cost.{kept}.callgrind")
                     else:
                         path.unlink()
                     return int(line.split()[1])
@@ -171,6 +178,109 @@ return 1
 """
 
 
+# A design weighed, not built: the lease's hot fields packed into one field of the record
+# (token@owner, ttl, acquire time, counts), no per-task counters and no start mark's read.
+# The same calls otherwise; its commands alone, as FLOOR's are.
+PACKED_ACQUIRE_COMMANDS = """
+local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = t[1] * 1000
+for k = 1, m do redis.call('HSET', KEYS[6 * n + 1 + k], 'started', '1') end
+for i = 1, n do
+  local kb, ab = 6 * (i - 1), 3 + m + 15 * (i - 1)
+  redis.call('HMGET', KEYS[kb + 1], 'state', 'lease', 'pub')
+  redis.call('ZSCORE', KEYS[kb + 2], ARGV[ab + 1])
+  redis.call('HGET', KEYS[kb + 5], 'pub')
+  local tok = redis.call('INCR', KEYS[kb + 3])
+  redis.call('HSET', KEYS[kb + 1], 'state', 'active', 'started', '0',
+             'lease', tok .. '@' .. ARGV[ab + 2] .. ' ' .. ARGV[ab + 3] .. ' ' .. now .. ' 0 0 0 3 1')
+  redis.call('ZADD', KEYS[kb + 2], now + ARGV[ab + 3], ARGV[ab + 1])
+  redis.call('ZREM', KEYS[kb + 6], ARGV[ab + 1])
+end
+return 1
+"""
+PACKED_FINISH_COMMANDS = """
+redis.call('HMGET', KEYS[1], 'state', 'lease')
+local t = redis.call('TIME')
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'state', ARGV[4], 'lease', t[1])
+redis.call('DEL', KEYS[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+
+def _lifecycles(c: redis.Redis, store: LeaseStore, ids: list[str], batch: int,
+                scripts: tuple[str, str] | None) -> None:
+    """Acquire (``batch`` per call, the previous batch's marks riding along) and finish
+    (no result) each of ``ids``: with the store's scripts (``scripts`` None), or with the
+    two bare scripts of ``scripts`` (SHAs) given the same keys and arguments."""
+    tokens: dict[str, int] = {}
+    for k in range(0, len(ids), batch):
+        reqs = [dict(task_id=i, owner="w1", name="bench.noop", body=BODY, envelope=ENVELOPE,
+                     publish="p" + i, recorded=True) for i in ids[k:k + batch]]
+        starts = {i: tokens.get(i, 1) for i in ids[max(0, k - batch):k]} if k else None
+        if scripts is None:
+            results, _ = store.acquire_many(reqs, owner="w1", starts=starts)
+            tokens.update((i, acq.token) for i, acq in zip(ids[k:k + batch], results))
+        else:
+            keys, args = acquire_many_call(store, reqs, "w1", starts)
+            c.evalsha(scripts[0], len(keys), *keys, *args)
+    for i in ids:
+        if scripts is None:
+            store.finish(i, "w1", tokens[i], "succeeded")
+        else:
+            _, keys, args = finish_call(store, FinishRequest(i, "w1", 1, "succeeded"))
+            c.evalsha(scripts[1], len(keys), *keys, *args)
+
+
+def measure_wall(n: int, batch: int, rounds: int) -> dict[str, list[float]]:
+    """Server time per task (``INFO commandstats``, the scripts' µs) of a lease's acquire and
+    finish, of their commands alone, and of the packed design's commands alone: ``rounds``
+    alternated rounds of ``n`` tasks each on a throwaway redis-server (no valgrind)."""
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    c = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("script_cost: redis-server did not start") from None
+                time.sleep(0.05)
+        store = LeaseStore(c, prefix="wall")
+        queued = QueuedTasks(store, 3600)
+        kinds: dict[str, tuple[str, str] | None] = {
+            "lease (acquire + finish, no result)": None,
+            "floor: their commands alone": (c.script_load(ACQUIRE_COMMANDS), c.script_load(FINISH_COMMANDS)),
+            "packed record, commands alone (weighed)": (c.script_load(PACKED_ACQUIRE_COMMANDS),
+                                                        c.script_load(PACKED_FINISH_COMMANDS)),
+        }
+        out: dict[str, list[float]] = {name: [] for name in kinds}
+
+        def script_usec() -> int:
+            stats = c.info("commandstats")
+            return sum(stats.get(k, {}).get("usec", 0) for k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+        for r in range(rounds):
+            order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
+            for name in order:
+                ids = [uuid.uuid4().hex for _ in range(n)]
+                for i in ids:  # (recorded at publish first, not counted: enqueue is its own phase)
+                    queued.enqueue(QueuedTask(i, "bench.noop", BODY, ENVELOPE, publish="p" + i))
+                before = script_usec()
+                _lifecycles(c, store, ids, batch, kinds[name])
+                out[name].append((script_usec() - before) / n)
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, float]:
     server = Counted(out_dir, keep)
     try:
@@ -229,19 +339,8 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
                 c.ping()
 
         def floor(which: list[str]) -> Callable[[], None]:
-            acquire_sha, finish_sha = c.script_load(ACQUIRE_COMMANDS), c.script_load(FINISH_COMMANDS)
-
-            def run() -> None:
-                for k in range(0, len(which), batch):
-                    reqs = [dict(task_id=i, owner="w1", name="bench.noop", body=BODY, envelope=ENVELOPE,
-                                 publish="p" + i, recorded=True) for i in which[k:k + batch]]
-                    starts = {i: 1 for i in which[max(0, k - batch):k]} if k else None
-                    keys, args = acquire_many_call(store, reqs, "w1", starts)
-                    c.evalsha(acquire_sha, len(keys), *keys, *args)
-                for i in which:
-                    _, keys, args = finish_call(store, FinishRequest(i, "w1", 1, "succeeded"))
-                    c.evalsha(finish_sha, len(keys), *keys, *args)
-            return run
+            bare_scripts = (c.script_load(ACQUIRE_COMMANDS), c.script_load(FINISH_COMMANDS))
+            return lambda: _lifecycles(c, store, which, batch, bare_scripts)
 
         one_call = c.script_load("return redis.call('EXISTS', KEYS[1])")
         empty = c.script_load("return 1")
@@ -277,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "bench" / "results-script-cost.json"))
     parser.add_argument("--keep", metavar="DIR", help="keep each phase's callgrind file in DIR "
                         "(script-cost.<phase>.callgrind) for callgrind_annotate")
+    parser.add_argument("--wall", type=int, metavar="ROUNDS", default=0,
+                        help="also read the server's µs per task (INFO commandstats, no valgrind) "
+                        "in ROUNDS alternated rounds of 2,000 tasks")
     args = parser.parse_args(argv)
     out_dir = args.keep or os.environ.get("TMPDIR", "/tmp")
     per = measure(args.n, args.batch, out_dir, keep=bool(args.keep))
@@ -291,6 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": platform.platform(), "n": args.n, "batch": args.batch,
                "instructions_per_task": per, **git_state()}
+    if args.wall:
+        wall = measure_wall(2000, args.batch, args.wall)
+        lease = statistics.median(wall["lease (acquire + finish, no result)"])
+        rows = [[name, f"{statistics.median(v):.1f}", f"{min(v):.1f}-{max(v):.1f}",
+                 f"{statistics.median(v) / lease:.2f}"] for name, v in wall.items()]
+        print()
+        print(markdown_table(["server time per task (scripts' µs, INFO commandstats)", "median",
+                              "range", "/ lease"], rows))
+        print(f"target: a lease's acquire + finish <= {TARGET_USEC} µs of server time per task: "
+              f"{'PASS' if lease <= TARGET_USEC else 'MISS'} ({lease:.1f} µs)")
+        results["usec_per_task"] = wall
     Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 

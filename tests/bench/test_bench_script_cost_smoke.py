@@ -22,3 +22,18 @@ def test_script_cost_counts_each_phase_and_prints_the_ratio_to_kombus_acks(tmp_p
     # And a script call costs more than the bare EVALSHA it is built on
     assert per["finish, no result"] > per["EVALSHA return 1"] > per["PING"]
     assert "/ kombu acks" in out.stdout
+
+
+def test_script_cost_wall_reads_the_servers_time_per_task_beside_the_floor(tmp_path: Path) -> None:
+    # Given one round of the wall-clock part (a plain redis-server, INFO commandstats)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "script_cost.py"), "-n", "20", "--wall", "1",
+                          "--json", str(tmp_path / "cost.json")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    # Then the lease, its commands alone and the packed design each read a server time per task
+    wall = json.loads((tmp_path / "cost.json").read_text())["usec_per_task"]
+    lease, floor = wall["lease (acquire + finish, no result)"][0], wall["floor: their commands alone"][0]
+    assert lease > 0 and floor > 0 and wall["packed record, commands alone (weighed)"][0] > 0, wall
+    # And the commands alone cost less than the scripts that run them, and the target is judged
+    assert floor < lease, wall
+    assert "server time per task" in out.stdout and "target: a lease's acquire + finish" in out.stdout
