@@ -49,9 +49,12 @@ class PublishOutage:
     A record the store did not take because it could not be reached (``LeaseUnavailable``)
     is held here, and written at this app's next publish the store answers: a task published
     during a store restart is then tracked all the same, so a broker that loses it later does
-    not lose it for good. Held at most ``MAX_HELD`` records (the oldest dropped first) and
-    each for at most the delivery timeout (after that the task may have run and its record
-    been purged: recording it then could run it again); what is dropped is logged by id.
+    not lose it for good, however long the outage was. Held at most ``MAX_HELD`` records
+    (the oldest dropped first) and each for at most the store's retention: a record written
+    late finds the task's own record if a worker took it meanwhile (acquired at receipt; a
+    finished one is kept that long) and changes nothing, but after the retention the task
+    may have run and its record expired, and recording it then could run it again. What is
+    dropped is logged by id.
     Held in memory: a process that publishes nothing more writes them as it exits (one try,
     at the interpreter's exit), and logs by id those the store still does not take; a
     process that is killed leaves them untracked (leased at receipt), as without tracking.
@@ -126,13 +129,13 @@ class PublishOutage:
         late: dict[int, tuple[QueuedTasks, list]] = {}
         too_old = []
         for at, task, tracked in held.values():
-            if now - at > tracked.delivery_timeout:
+            if now - at > tracked.store.settings.retention:
                 too_old.append(task.task_id)
             else:
                 late.setdefault(id(tracked), (tracked, []))[1].append((at, task))
         if too_old:
             logger.warning("publish tracking: the lease store was unreachable longer than "
-                           "leases_delivery_timeout; not tracked (leased at receipt): %s", ", ".join(too_old))
+                           "leases_retention; not tracked (leased at receipt): %s", ", ".join(too_old))
         for tracked, entries in late.values():
             try:
                 tracked.enqueue_many([task for _, task in entries])

@@ -313,6 +313,42 @@ def test_a_task_published_during_a_store_outage_survives_the_broker_losing_it(
     assert copy["headers"]["lease_generation"] == 1
 
 
+def test_a_store_outage_longer_than_the_delivery_timeout_still_records_what_was_published(
+        make_app, broker, lease_server, key_prefix):
+    # Given a task published while the store was stopped for longer than the delivery timeout
+    app = make_app(leases_delivery_timeout=0.5)
+    publish(app)
+    lease_server.stop()
+    lost = publish(app)
+    time.sleep(1.0)
+    lease_server.start()
+    # When the store answers again: its held record is written all the same
+    publish(app)
+    assert celery_leases.store(app).get(lost).state == "queued"
+    # And when the broker then forgets every message, recovery brings the task back
+    broker.client().flushall()
+    time.sleep(0.7)
+    run_recovery(app)
+    assert broker_messages(broker, key_prefix)[lost]["headers"]["lease_generation"] == 1
+
+
+def test_a_record_held_longer_than_the_retention_is_dropped_and_named(make_app, lease_server, caplog):
+    # Given a store whose finished records are kept 1 s, stopped while a task is published
+    app = make_app(leases_delivery_timeout=0.5, leases_retention=1.0)
+    publish(app)
+    lease_server.stop()
+    old = publish(app)
+    time.sleep(1.3)
+    lease_server.start()
+    # When the store answers again, past the retention
+    with caplog.at_level("WARNING", logger="celery_leases.tracking"):
+        publish(app)
+    # Then that record is not written (the task may have run and its record expired), and
+    # the warning names the task
+    assert celery_leases.store(app).get(old) is None
+    assert any("longer than leases_retention" in r.message and old in r.message for r in caplog.records)
+
+
 def test_a_store_restarted_between_two_publishes_loses_no_record(make_app, lease_server):
     # Given a publisher holding its line, and a store restarted while it is idle
     app = make_app()
