@@ -54,8 +54,9 @@ def get_store(app: Any) -> LeaseStore:
     pid = os.getpid()
     entry = _stores.get(app)
     if entry is None or entry[0] != pid:
-        recoverer = Recoverer(app)
-        store = make_store(client_config(app), publish=recoverer.publish, on_dead=recoverer.on_dead,
+        config = client_config(app)
+        recoverer = Recoverer(app, dead_letter_queue=config.dead_letter_queue)
+        store = make_store(config, publish=recoverer.publish, on_dead=recoverer.on_dead,
                            on_corrupt=recoverer.on_corrupt)
         recoverer.store = store  # it parks, and reads held_for, through the store that calls it
         for hook in _store_hooks:

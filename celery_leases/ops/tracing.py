@@ -33,7 +33,6 @@ from typing import Any
 
 from celery.signals import task_postrun
 
-from ..config import get_config
 from ..protocol.codes import Code
 from ..signals import delivery_refused, lease_lost, stale_outcome_rejected
 
@@ -123,7 +122,7 @@ def run_started(task: Any, lease: Any) -> None:
         if generation > 0:
             pipe.hgetall(key)
         pipe.hset(key, str(lease.token), f"{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}")
-        pipe.pexpire(key, int(get_config(task.app).retention * 1000))
+        pipe.pexpire(key, int(store.settings.retention * 1000))
         replies = pipe.execute()
         if generation > 0:
             previous = _replaced(replies[0], int(lease.token))

@@ -14,7 +14,6 @@ from typing import Any, Mapping
 
 from kombu import Queue
 
-from ..config import client_config
 from ..exceptions import DeliveryParked, LeaseError
 from .messages import publish_raw, request_of
 from ..signals import delivery_parked
@@ -25,14 +24,16 @@ __all__ = ["park_delivery"]
 logger = logging.getLogger("celery_leases.parking")
 
 
-def park_delivery(app: Any, store: LeaseStore, task_id: str, reason: str, *, name: str = "",
-                  body: bytes = b"", envelope: Mapping | None = None, key: str = "", field: str = "",
+def park_delivery(app: Any, store: LeaseStore, task_id: str, reason: str, *, dead_letter_queue: str | None,
+                  name: str = "", body: bytes = b"", envelope: Mapping | None = None, key: str = "", field: str = "",
                   exc: BaseException | None = None) -> None:
     """Park one delivery of ``task_id``: store it in ``store``, dead-letter it, fail its waiters, tell.
 
     Each step goes on when another fails (each failure is logged naming the
     task): an unreachable lease store still leaves the dead-letter copy and the
     stored failure, so the delivery is never dropped without a word.
+    ``dead_letter_queue`` is the app's ``leases_dead_letter_queue`` (None or '': none),
+    handed down by the caller, which holds the app's settings.
     """
     key = key or getattr(exc, "key", "") or ""
     field = field or getattr(exc, "field", "") or ""
@@ -45,7 +46,7 @@ def park_delivery(app: Any, store: LeaseStore, task_id: str, reason: str, *, nam
     except LeaseError as error:
         logger.error("task %s: the parked delivery could not be stored in the lease store "
                      "(it is only in the dead-letter queue, if one is set): %s", task_id, error)
-    queue = client_config(app).dead_letter_queue
+    queue = dead_letter_queue
     if queue and body and envelope:
         try:
             headers = dict(envelope.get("headers") or {})

@@ -11,7 +11,6 @@ from typing import Any
 
 from kombu import Queue
 
-from ..config import client_config
 from ..exceptions import LeaseError, LeaseExpired
 from .messages import publish_raw, request_of
 from .parking import park_delivery
@@ -29,8 +28,9 @@ class Recoverer:
     (runtime.py): it reads ``held_for`` and parks through that store.
     """
 
-    def __init__(self, app: Any, store: LeaseStore | None = None) -> None:
-        self.app, self.store = app, store
+    def __init__(self, app: Any, store: LeaseStore | None = None, *, dead_letter_queue: str | None) -> None:
+        # (The settings are handed down by whoever builds it, runtime.py or the receipt.)
+        self.app, self.store, self.dead_letter_queue = app, store, dead_letter_queue
 
     def publish(self, claim: Claim) -> None:
         if not claim.body or not claim.envelope:
@@ -61,7 +61,8 @@ class Recoverer:
         if self.store is None:
             raise LeaseError(f"task {claim.task_id}: the recoverer has no store to park it in")
         park_delivery(self.app, self.store, claim.task_id,
-                      f"corrupt lease record found by recovery: {error}", name=name,
+                      f"corrupt lease record found by recovery: {error}",
+                      dead_letter_queue=self.dead_letter_queue, name=name,
                       body=claim.body, envelope=claim.envelope,
                       key=getattr(error, "key", ""), field=getattr(error, "field", ""), exc=error)
 
@@ -86,7 +87,7 @@ class Recoverer:
             except LeaseError as error:
                 logger.error("task %s: the dead task's message could not be kept for replay: %s",
                              task_id, error)
-        queue = client_config(self.app).dead_letter_queue
+        queue = self.dead_letter_queue
         if queue and body:
             headers = dict(envelope.get("headers") or {})
             headers["lease_dead"] = True

@@ -330,8 +330,8 @@ class Receipt:
         delivery_refused.send(sender=task, task_id=request.id, reason=reason, code=acq.code,
                               token=acq.token)
         if acq.code is Code.DEAD:
-            Recoverer(self.app, self.store).mark_dead(request.id, acq.recoveries, message.body,
-                                                      envelope_of(message))
+            Recoverer(self.app, self.store, dead_letter_queue=config.dead_letter_queue).mark_dead(
+                request.id, acq.recoveries, message.body, envelope_of(message))
 
     def _refusal_facts(self, request: Any, config: LeaseConfig, acq: Acquisition) -> str:
         """What a refused delivery's reason adds to its code's: whose lease, which state or copy."""

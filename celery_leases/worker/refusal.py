@@ -42,7 +42,8 @@ class Refusal:
                 envelope: dict | None = envelope_of(request.message)
             except Exception:  # noqa: BLE001 - a message too broken to describe is parked without it
                 envelope = None
-            park_delivery(self.app, self.store, task_id, reason, name=request.task.name,
+            park_delivery(self.app, self.store, task_id, reason,
+                          dead_letter_queue=self.config.dead_letter_queue, name=request.task.name,
                           body=_bytes_or_empty(request.message.body), envelope=envelope,
                           key=getattr(exc, "key", "") or "", field=getattr(exc, "field", "") or "",
                           exc=exc if isinstance(exc, Exception) else None)

@@ -8,6 +8,7 @@ import redis
 
 import celery_leases
 from celery_leases import CorruptRecord, DeliveryParked, LeaseStore
+from celery_leases.config import client_config
 from celery_leases.recovery.parking import park_delivery
 
 
@@ -106,7 +107,8 @@ def test_park_delivery_stores_fails_waiters_signals_and_dead_letters(redis_serve
                     "content_type": "application/json", "content_encoding": "utf-8",
                     "exchange": "", "routing_key": key_prefix}
         # When it is parked
-        park_delivery(app, celery_leases.store(app), task_id, "corrupt lease record", name=sig.task, body=body,
+        park_delivery(app, celery_leases.store(app), task_id, "corrupt lease record",
+                      dead_letter_queue=client_config(app).dead_letter_queue, name=sig.task, body=body,
                       envelope=envelope, key="k", field="generation")
 
         # Then the waiter gets DeliveryParked naming the task, key and field
@@ -137,7 +139,8 @@ def test_park_delivery_goes_on_when_the_store_is_unreachable(redis_server_url, k
     app = create_app({"LEASES_TEST_BROKER": redis_server_url, "LEASES_TEST_PREFIX": key_prefix,
                       "LEASES_TEST_LEASES_URL": "redis://127.0.0.1:1/0"})
     try:
-        park_delivery(app, celery_leases.store(app), "parked-2", "malformed message", field="lease_generation")
+        park_delivery(app, celery_leases.store(app), "parked-2", "malformed message",
+                      dead_letter_queue=client_config(app).dead_letter_queue, field="lease_generation")
         # The waiter is still released, and the log names the task
         with pytest.raises(DeliveryParked):
             app.AsyncResult("parked-2").get(timeout=5)
