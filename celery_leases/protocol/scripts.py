@@ -125,6 +125,8 @@ class Scripts:
             if name not in SCRIPT_NAMES:
                 raise AttributeError(f"no Lua script named {name!r}")
             script = self._cache[name] = Script(name)
+        # A plain attribute from now on: a hot path's next lookup does not come back here.
+        setattr(self, name, script)
         return script
 
 

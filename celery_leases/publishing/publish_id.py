@@ -39,8 +39,21 @@ RECORDED_HEADER = "lease_recorded"
 def recorded_headers(headers: Mapping[str, Any]) -> str:
     """A short digest of the header names (not their values, which a broker's encoding may
     change: a tuple arrives as a list), ``RECORDED_HEADER`` itself left out."""
-    names = sorted(str(name) for name in headers if name != RECORDED_HEADER)  # (a key may not be a str)
-    return "%08x" % zlib.crc32("\x00".join(names).encode("utf-8", "surrogatepass"))
+    seen = tuple(headers)
+    digest = _digests.get(seen)
+    if digest is None:
+        names = sorted(str(name) for name in seen if name != RECORDED_HEADER)  # (a key may not be a str)
+        digest = "%08x" % zlib.crc32("\x00".join(names).encode("utf-8", "surrogatepass"))
+        if len(_digests) >= _DIGESTS_MAX:
+            _digests.clear()
+        _digests[seen] = digest
+    return digest
+
+
+#: Header names, in a message's order -> their digest. Every message of one publisher and
+#: task carries the same names in the same order; the worker checks each message twice.
+_digests: dict[tuple, str] = {}
+_DIGESTS_MAX = 256
 
 
 def new_publish_id() -> str:

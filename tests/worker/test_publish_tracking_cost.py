@@ -507,3 +507,18 @@ def test_the_recorded_digest_depends_on_header_names_only():
     assert digest != recorded_headers({"id": "t", "timelimit": None, "traceparent": "00-a-b-01"})
     assert digest != recorded_headers({"id": "t"})
     assert recorded_headers({"id": "t", 1: "x"}) != digest
+
+
+def test_the_recorded_header_digest_depends_on_the_names_alone():
+    """The digest a worker compares at receipt (twice per message, so it is remembered by
+    the names' order): the same names in any order, with any values, give one digest; a
+    header added after the record gives another; the recorded header itself is left out."""
+    from celery_leases.publishing.publish_id import RECORDED_HEADER, recorded_headers
+    first = recorded_headers({"id": "1", "task": "t", "retries": 0})
+    assert recorded_headers({"retries": 5, "task": "u", "id": "2"}) == first
+    assert recorded_headers({"id": "1", "task": "t", "retries": 0, RECORDED_HEADER: first}) == first
+    assert recorded_headers({"id": "1", "task": "t", "retries": 0, "traceparent": "x"}) != first
+    # (many different header sets: the remembered digests stay bounded and still right)
+    for k in range(600):
+        assert recorded_headers({f"h{k}": 1, "id": "1"}) == recorded_headers({"id": "1", f"h{k}": 2})
+    assert recorded_headers({"task": "t", "id": "1", "retries": 0}) == first
