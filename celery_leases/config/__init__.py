@@ -54,6 +54,8 @@ class LeaseConfig:
     worker_recovery: bool = defaults.WORKER_RECOVERY
     #: Redis broker, tracking on: deliveries of recorded tasks held by their lease, not kombu's hash.
     held_deliveries: bool = defaults.HELD_DELIVERIES
+    #: Threads and solo: finishes nobody waits for sent in the background (worker/background.py).
+    background_finishes: bool = defaults.BACKGROUND_FINISHES
     #: None: add the beat entry only when worker_recovery is off (recovery/beat.py, beat_entry_wanted).
     beat_schedule: bool | None = defaults.BEAT_SCHEDULE
     #: The worker's HTTP endpoint (worker/health.py): its port (None: off) and bind address.

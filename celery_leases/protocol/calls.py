@@ -134,10 +134,13 @@ class ScriptCalls:
         if self.cluster:
             return self._run_many_cluster(script, calls, what)
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            results = pipe.execute(raise_on_error=False)
+            if self.direct is not None:
+                results = self.direct.call_many(script.sha, calls)
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                results = pipe.execute(raise_on_error=False)
         except Exception as exc:
             self._raise(script, exc, what)
         out = []

@@ -1,23 +1,26 @@
-"""The heartbeat's batch transitions: every lease a worker holds, one script call per shard.
+"""The worker's batch transitions: many leases, one script call per shard (or per lease).
 
 ``renew_many`` (each heartbeat tick), ``release`` (a dead pool child's or a
-warm shutdown's leases made due now) and ``mark_started`` (bodies that began
-running). With several shards the per-shard calls go out pipelined: one round
+warm shutdown's leases made due now), ``mark_started`` (bodies that began
+running) and ``finish_many`` (outcomes nobody waits for, sent in the
+background: one finish.lua call each). The calls go out pipelined: one round
 trip to a single server, one per master on a cluster (calls.py).
 """
 from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Mapping, Sequence
 
-from .calls import ms
+from ..exceptions import LeaseError
+from .calls import ms, raise_unless_ok
 from .codes import Code
 from .core import StoreCore
 from .records import raise_if_corrupt
 from .scripts import scripts
+from .transitions import FinishRequest, finish_call
 
-__all__ = ["renew_many", "release", "mark_started"]
+__all__ = ["renew_many", "release", "mark_started", "finish_many"]
 
 logger = logging.getLogger("celery_leases.store")
 
@@ -119,3 +122,29 @@ def mark_started(core: StoreCore, owner: str, leases: Mapping[str, int], *, alon
                       [owner, 1 if alone else 0, *(int(leases[t]) for t in task_ids)]))
     return sum(int(n) for n in core.calls.run_many(scripts.mark_started, calls,
                                               f"start marks of {len(leases)} leases of {owner}"))
+
+
+def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseError | None]:
+    """Finish each of ``reqs`` (terminal outcomes, finish.lua), pipelined into one round trip
+    per server; for each, None when accepted, else why not (LeaseLost, CorruptRecord).
+
+    Raises what ``calls.run_many`` raises (LeaseUnavailable: no answer) for the whole
+    batch: every finish is safe to send again (finish.lua answers OK to its own copy).
+    """
+    calls = []
+    for req in reqs:
+        script, keys, args = finish_call(core, req)
+        if script is not scripts.finish:
+            raise ValueError(f"finish_many: task {req.task_id}: a retry hand-over is finished alone")
+        calls.append((keys, args))
+    out: list[LeaseError | None] = []
+    for req, reply in zip(reqs, core.calls.run_many(scripts.finish, calls, f"{len(reqs)} finishes")):
+        try:
+            raise_if_corrupt(reply, f"finish of task {req.task_id}")
+            code, _, state = reply
+            raise_unless_ok(Code(code), req.task_id, req.token, state.decode())
+        except LeaseError as exc:
+            out.append(exc)
+        else:
+            out.append(None)
+    return out

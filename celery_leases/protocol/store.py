@@ -277,6 +277,10 @@ class LeaseStore(StoreCore):
         each runs with nothing beside it in its process, so its owner's death is its own."""
         return renewals.mark_started(self, owner, leases, alone=alone)
 
+    def finish_many(self, reqs: Sequence[FinishRequest]) -> list[LeaseError | None]:
+        """Several terminal finishes in one round trip; None or why not, each (renewals.py)."""
+        return renewals.finish_many(self, reqs)
+
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""
         key = self.keys.record(one_task(task_id))

@@ -26,10 +26,12 @@ from ..protocol.codes import Code
 from ..config import client_config, get_config, task_option_errors
 from ..exceptions import ConfigurationError, LeaseError, LeaseLost, LeaseUnavailable
 from .lease import DETACHED, Lease
-from .results import confirmations, fused_write, keep_failure, keep_success, mark_stored
+from .results import confirmations, fused_write, keep_failure, keep_success, mark_stored, outcome_unread
 from ..runtime import get_store, get_worker
 from ..protocol.settle import settle_finish
-from ..signals import delivery_refused, stale_outcome_rejected
+from ..protocol.transitions import FinishRequest
+from ..signals import delivery_refused
+from .refusals import StaleOutcome, refusal_reason, refuse, report_refusal
 
 logger = logging.getLogger("celery_leases.task")
 
@@ -45,14 +47,6 @@ for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "l
 
 #: Set once this process has warned that a LeasedTask ran unleased (eager, apply(), a direct call).
 _warned_unleased = False
-
-
-class StaleOutcome(Ignore, LeaseError):
-    """Raised in the worker to drop the outcome of an owner that lost its lease.
-
-    An ``Ignore``: Celery's tracer then sends no callbacks, writes no result
-    and acknowledges the message.
-    """
 
 
 class LeasedTask(Task):
@@ -281,6 +275,8 @@ class LeasedTask(Task):
         """
         store = lease.store
         ttl = self.lease_ttl or get_config(self.app).ttl
+        if outcome == "succeeded" and write is None and kept is None and self._in_background(lease, ttl):
+            return
         confirmed = confirmations()
         written = confirmed.take(store, lease.task_id) if outcome != "retry" else []
 
@@ -296,10 +292,20 @@ class LeasedTask(Task):
             # the worker. The lease is forgotten when the request ends; recovery then re-runs
             # the task, or meets the corrupt record and parks it.
             lease._lost = True
-            reason = exc.reason if isinstance(exc, LeaseLost) else f"unverifiable: {exc}"
-            refuse(self, lease.task_id, lease.token, outcome, reason)
+            refuse(self, lease.task_id, lease.token, outcome, refusal_reason(exc))
         if kept is not None:
             confirmed.kept_for(store, lease.task_id)
+
+    def _in_background(self, lease: Lease, bound: float) -> bool:
+        """A success nobody reads, where the worker sends such finishes in the background
+        (worker/background.py): queued there, and the task returns without waiting."""
+        worker = get_worker(self.app)
+        finishes = worker.finishes if worker is not None else None
+        if finishes is None or self.request.lease_isolate or not outcome_unread(self, self.request):
+            return False
+        task_id, token = lease.task_id, lease.token
+        return finishes.add(FinishRequest(task_id, lease.owner, token, "succeeded"), bound,
+                            lambda exc: report_refusal(self, task_id, token, "succeeded", refusal_reason(exc)))
 
     def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
                      einfo: Any) -> None:
@@ -383,11 +389,3 @@ def _warn_unleased(task: Any) -> None:
         logger.warning("celery-leases: LeasedTask %s ran without a lease (eager mode, apply() or a "
                        "direct call): self.lease is detached, its token None and check() passes. "
                        "Only a worker takes leases. Warned once per process.", task.name)
-
-
-def refuse(task: Any, task_id: str, token: int | None, outcome: str, reason: str) -> None:
-    """Log and signal a refused outcome, then raise StaleOutcome."""
-    logger.warning("task %s[%s]: outcome %r of token %s refused: lease %s",
-                   getattr(task, "name", "?"), task_id, outcome, token, reason)
-    stale_outcome_rejected.send(sender=task, task_id=task_id, token=token, outcome=outcome, reason=reason)
-    raise StaleOutcome(f"stale outcome {outcome} of task {task_id} (token {token}) refused: {reason}")

@@ -113,6 +113,14 @@ def mark_stored(request: Any) -> None:
 KEPT_GIVE_UP = 3600.0
 
 
+def outcome_unread(task: Any, request: Any) -> bool:
+    """Nobody reads this task's success: Celery stores no result of it (Celery's own rule,
+    any backend) and no callback, errback, chain, chord or group waits on it."""
+    if request.callbacks or request.errbacks or request.chain or request.chord or request.group:
+        return False
+    return isinstance(task.backend, DisabledBackend) or get_actual_ignore_result(task, request)
+
+
 def _stores_results(task: Any, request: Any, failure: bool) -> bool:
     """Whether Celery's tracer will write this outcome's result (its own rule), to a backend
     recovery can write to as well (not the RPC backend: its results go to the caller's

@@ -125,6 +125,9 @@ class Health:
         running = self._heartbeat_running()
         if running is False:
             return Verdict(False, "not live: the lease heartbeat thread has stopped")
+        finishes = getattr(get_worker(self.app), "finishes", None)
+        if finishes is not None and finishes.running is False:
+            return Verdict(False, "not live: the thread sending finishes in the background has stopped")
         stalled = self._loop_stalled_for() if state == CONSUMING else None
         if stalled is not None and stalled > LOOP_WEDGED_AFTER:
             return Verdict(False, f"not live: the event loop has not gone round for {stalled:.1f}s "

@@ -6,6 +6,7 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 
 - receipt.py: acquire when the worker receives the message (main process);
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
+- background.py: on threads and solo, send the finishes nobody waits for from a thread;
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
 - recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
@@ -31,6 +32,7 @@ from ..config import LeaseConfig
 from ..exceptions import LeaseError
 from ..runtime import get_store
 from ..protocol.scripts import scripts
+from .background import POOLS as BACKGROUND_POOLS, BackgroundFinishes
 from .heartbeat import Heartbeat
 from .isolation import Isolation
 from .lost import LostLeases
@@ -66,6 +68,9 @@ class LeaseWorker:
                                quick_release=quick_release, prefork=prefork, isolation=isolation)
         self.revokes = Revoker(app, config, self.store, self.owner, self.heartbeat)
         self.dropped = DroppedRequests(lambda: [h.request for _, h in self.heartbeat.held.snapshot()])
+        #: Where tasks run in this process's threads: their unread successes' finishes (background.py).
+        self.finishes = BackgroundFinishes(self.store) \
+            if config.background_finishes and type(pool).__module__ in BACKGROUND_POOLS else None
 
     # -- lifecycle --------------------------------------------------------
 
@@ -83,6 +88,8 @@ class LeaseWorker:
         scripts.load_all()
         run_checks(self.app, self.config, self.store)  # logged at their severity; never stops the worker
         self.revokes.gate()
+        if self.finishes is not None:
+            self.finishes.start()
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)
 
@@ -95,6 +102,8 @@ class LeaseWorker:
         """
         self.revokes.stop()
         self.receipt.stop()
+        if self.finishes is not None:  # the pool is gone: its last finishes go out first
+            self.finishes.stop()
         held = [(task_id, h) for task_id, h in self.heartbeat.held.snapshot() if not h.lost]
         if held:
             leases = {task_id: h.token for task_id, h in held}

@@ -179,19 +179,37 @@ class DirectCaller:
 
     def call(self, sha: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """The script's reply; an error reply is raised as redis-py's exception for it."""
-        me = _Call(pack("EVALSHA", sha, len(keys), *keys, *args))
+        (me,) = self._submit([pack("EVALSHA", sha, len(keys), *keys, *args)])
+        return me.result()
+
+    def call_many(self, sha: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list:
+        """Each (keys, args) call's reply, all in one write; an error reply is returned as
+        redis-py's exception for it (as a pipeline's ``raise_on_error=False``), and an error
+        of the connection, which leaves the calls without replies, is raised."""
+        out = []
+        for call in self._submit([pack("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]):
+            if call.error is not None and not isinstance(call.error, ResponseError):
+                raise call.error
+            out.append(call.error if call.error is not None else call.reply)
+        return out
+
+    def _submit(self, commands: list[bytes]) -> list[_Call]:
+        """Queue ``commands`` together and see them written (by this thread or the writing
+        one): all are in one write, since the writer takes the whole queue under the lock."""
+        mine = [_Call(command) for command in commands]
+        me = mine[0]
         pid = os.getpid()
         if self._queue_pid != pid:
             self._reset(pid)
         with self._lock:
-            self.calls += 1
-            self._queue.append(me)
+            self.calls += len(mine)
+            self._queue.extend(mine)
             lead = not self._writing
             self._writing = True
         if not lead:
             me.done.wait()
             if not me.lead:
-                return me.result()
+                return mine
         try:
             with self._lock:
                 batch, self._queue = self._queue, []
@@ -203,7 +221,7 @@ class DirectCaller:
                     self._queue[0].done.set()
                 else:
                     self._writing = False
-        return me.result()
+        return mine
 
     def _write(self, batch: list[_Call], pid: int) -> None:
         """Send ``batch`` in one write, give each its reply, wake the others."""

@@ -53,6 +53,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         leases_deliveries_per_minute=int(get("LEASES_TEST_DELIVERIES_PER_MINUTE", "20")),
         leases_dead_letter_queue=get("LEASES_TEST_DLQ") or None,
         leases_held_deliveries=get("LEASES_TEST_HELD", "1") == "1",
+        leases_background_finishes=get("LEASES_TEST_BACKGROUND", "1") == "1",
         task_acks_late=acks_late,
         task_reject_on_worker_lost=acks_late,
         worker_prefetch_multiplier=int(get("LEASES_TEST_PREFETCH", "1")),
@@ -252,6 +253,11 @@ def create_app(env: Mapping[str, str]) -> Celery:
 
     @app.task(base=LeasedTask, bind=True, ignore_result=True, shared=False)
     def add_ignored(self, x, y):
+        record("start", self.request.id, token=self.lease.token)
+        return x + y
+
+    @app.task(base=DiesOnceAfter, bind=True, ignore_result=True, shared=False, die_after="return")
+    def add_ignored_then_die(self, x, y):
         record("start", self.request.id, token=self.lease.token)
         return x + y
 

@@ -1,0 +1,211 @@
+"""Finishes sent in the background (worker/background.py): a success nobody reads, on the
+threads and solo pools, is queued and sent after the task returned, several in one write.
+
+The class against a real redis-server first (what it promises: every finish lands or is
+reported, refusals and errors one by one, an outage retried within the bound, nothing
+left at a stop), then real workers: the tasks run once each and end succeeded, a worker
+killed right after such a task returned has it run again (its finish never landed), and
+``leases_background_finishes = False`` keeps the finish waited.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+import celery_leases
+from celery_leases import LeaseStore
+from celery_leases.exceptions import LeaseError, LeaseLost
+from celery_leases.protocol.store import FinishRequest
+from celery_leases.testing import wait_for
+from celery_leases.worker.background import BackgroundFinishes
+
+pytestmark = pytest.mark.slow
+
+OWNER = "w1"
+TASKS = "tests.support.apps.leased_app"
+
+
+@pytest.fixture
+def server(own_server):
+    return own_server("leases")
+
+
+@pytest.fixture
+def store(server, key_prefix):
+    client = redis.Redis.from_url(server.url, socket_timeout=1)
+    yield LeaseStore(client, prefix=key_prefix, ttl=30)
+    client.close()
+
+
+@pytest.fixture
+def finishes(store):
+    made = []
+
+    def make(**kwargs) -> BackgroundFinishes:
+        sender = BackgroundFinishes(store, **kwargs)
+        sender.start()
+        made.append(sender)
+        return sender
+
+    yield make
+    for sender in made:
+        sender.stop(timeout=2)
+
+
+class Reports:
+    """What the finishes reported, by task id."""
+
+    def __init__(self) -> None:
+        self.by_task: dict[str, LeaseError] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, task_id: str):
+        def report(exc: LeaseError) -> None:
+            with self.lock:
+                self.by_task[task_id] = exc
+        return report
+
+
+def acquired(store: LeaseStore, n: int) -> dict[str, int]:
+    out = {}
+    for _ in range(n):
+        task_id = uuid.uuid4().hex
+        out[task_id] = store.acquire(task_id, OWNER, name="t").token
+    return out
+
+
+def queue_all(sender: BackgroundFinishes, leases: dict[str, int], reports: Reports, bound: float = 30) -> None:
+    for task_id, token in leases.items():
+        assert sender.add(FinishRequest(task_id, OWNER, token, "succeeded"), bound, reports(task_id))
+
+
+def test_queued_finishes_land_together(store, finishes):
+    sender, reports = finishes(gather=0.05), Reports()
+    leases = acquired(store, 30)
+    queue_all(sender, leases, reports)
+    wait_for(lambda: sender.accepted == 30, 10, "30 finishes accepted")
+    assert {store.get(t).state for t in leases} == {"succeeded"}
+    assert reports.by_task == {}
+    # Queued within the gathering delay, they went out in far fewer writes than finishes.
+    assert sender.writes <= 3, sender.writes
+
+
+def test_a_refused_finish_is_reported_and_its_neighbours_land(store, finishes):
+    sender, reports = finishes(gather=0.05), Reports()
+    leases = acquired(store, 3)
+    stale = next(iter(leases))
+    queue_all(sender, {**leases, stale: leases[stale] - 1 if leases[stale] > 1 else 999}, reports)
+    wait_for(lambda: sender.accepted + sender.refusals == 3, 10, "3 finishes answered")
+    assert sender.refusals == 1 and isinstance(reports.by_task[stale], LeaseLost)
+    assert store.get(stale).state == "active"  # the owner's lease stands
+    assert {store.get(t).state for t in leases if t != stale} == {"succeeded"}
+
+
+def test_a_finish_the_store_cannot_verify_is_reported_and_its_neighbours_land(store, finishes):
+    sender, reports = finishes(gather=0.05), Reports()
+    leases = acquired(store, 3)
+    broken = next(iter(leases))
+    store.client.delete(store.keys.record(broken))
+    store.client.set(store.keys.record(broken), "not a hash")
+    queue_all(sender, leases, reports)
+    wait_for(lambda: sender.accepted + sender.refusals == 3, 10, "3 finishes answered")
+    assert sender.accepted == 2 and list(reports.by_task) == [broken]
+    assert "unverifiable" not in str(reports.by_task[broken])  # (the reason is the store's own)
+    assert store.keys.record(broken) in str(reports.by_task[broken])
+
+
+def test_an_outage_is_retried_until_the_store_answers(store, finishes, server):
+    sender, reports = finishes(gather=0.01), Reports()
+    leases = acquired(store, 5)
+    sender.server.read()  # (the worker reads the store's clock at start: a finish is bounded by it)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        queue_all(sender, leases, reports)
+        time.sleep(2.5)  # past the client's 1 s timeout: at least one write went unanswered
+        assert sender.accepted == 0
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    wait_for(lambda: sender.accepted == 5, 15, "the 5 finishes accepted once the store answers")
+    assert {store.get(t).state for t in leases} == {"succeeded"}
+    assert reports.by_task == {} and sender.withheld == 0
+
+
+def test_past_its_bound_an_unanswered_finish_is_withheld_and_reported(store, finishes, server):
+    sender, reports = finishes(gather=0.01), Reports()
+    leases = acquired(store, 2)
+    sender.server.read()
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        queue_all(sender, leases, reports, bound=1.0)
+        wait_for(lambda: len(reports.by_task) == 2, 20, "both finishes withheld")
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert sender.withheld == 2 and sender.accepted == 0
+    assert all("withheld" in exc.reason for exc in reports.by_task.values())
+    # A copy that reaches the server late changes nothing (the not-after of each finish).
+    time.sleep(0.5)
+    assert {store.get(t).state for t in leases} == {"active"}
+
+
+def test_stop_sends_what_is_queued_and_then_takes_no_more(store, finishes):
+    sender, reports = finishes(gather=5.0), Reports()  # (a long gather: only the stop sends them)
+    leases = acquired(store, 4)
+    queue_all(sender, leases, reports)
+    sender.stop(timeout=5)
+    assert sender.accepted == 4 and {store.get(t).state for t in leases} == {"succeeded"}
+    task_id, token = next(iter(acquired(store, 1).items()))
+    assert not sender.add(FinishRequest(task_id, OWNER, token, "succeeded"), 30, reports(task_id))
+
+
+def test_only_the_process_that_started_it_queues(store, finishes):
+    sender, reports = finishes(), Reports()
+    task_id, token = next(iter(acquired(store, 1).items()))
+    sender.pid = -1  # as a forked child (prefork) sees it: that process finishes and waits itself
+    assert not sender.add(FinishRequest(task_id, OWNER, token, "succeeded"), 30, reports(task_id))
+    unstarted = BackgroundFinishes(store)
+    assert not unstarted.add(FinishRequest(task_id, OWNER, token, "succeeded"), 30, reports(task_id))
+
+
+# -- real workers ---------------------------------------------------------------
+
+
+def runs(history, task_id: str) -> list:
+    return [h for h in history() if h[0] == "start" and h[1] == task_id]
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, history, pool):
+    worker = start_worker("a", pool=pool, concurrency=4)
+    results = [client_app.signature(f"{TASKS}.add_ignored", (i, i)).delay() for i in range(40)]
+    store = celery_leases.store(client_app)
+    wait_for(lambda: all(store.get(r.id).state == "succeeded" for r in results), 30,
+             "40 unread successes finished")
+    assert [len(runs(history, r.id)) for r in results] == [1] * 40
+    assert "refused" not in worker.log()
+
+
+@pytest.mark.parametrize("background", ["1", "0"])
+def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker, history, background):
+    """With the finish in the background, a death just after the task returned (before the
+    finish went out) leaves the lease to expire: the task runs again, and exactly one run's
+    outcome is accepted. A waited finish had landed before the task returned: no second run."""
+    store = celery_leases.store(client_app)
+    start_worker("a", pool="threads", concurrency=2, LEASES_TEST_BACKGROUND=background)
+    result = client_app.signature(f"{TASKS}.add_ignored_then_die", (1, 2)).delay()
+    wait_for(lambda: any(h[0] == "died" and h[1] == result.id for h in history()), 30, "the worker killed")
+    start_worker("b", pool="threads", concurrency=2, LEASES_TEST_WORKER_RECOVERY="1",
+                 LEASES_TEST_BACKGROUND=background)
+    wait_for(lambda: store.get(result.id).state == "succeeded", 30, "the task succeeded")
+    starts = runs(history, result.id)
+    if background == "1":
+        assert len(starts) == 2, starts
+        assert store.get(result.id).token == int(starts[-1][3]["token"])
+    else:
+        time.sleep(3)  # (a ttl and a recovery interval: nothing runs it again)
+        assert len(runs(history, result.id)) == 1
