@@ -29,7 +29,6 @@ from .lease import DETACHED, Lease
 from .results import confirmations, fused_write, keep_failure, keep_success, mark_stored, outcome_unread
 from ..runtime import get_store, get_worker
 from ..protocol.settle import settle_finish
-from ..protocol.transitions import FinishRequest
 from ..signals import delivery_refused
 from .refusals import StaleOutcome, refusal_reason, refuse, report_refusal
 
@@ -304,7 +303,7 @@ class LeasedTask(Task):
         if finishes is None or self.request.lease_isolate or not outcome_unread(self, self.request):
             return False
         task_id, token = lease.task_id, lease.token
-        return finishes.add(FinishRequest(task_id, lease.owner, token, "succeeded"), bound,
+        return finishes.add(task_id, lease.owner, token, "succeeded", bound,
                             lambda exc: report_refusal(self, task_id, token, "succeeded", refusal_reason(exc)))
 
     def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,

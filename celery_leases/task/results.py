@@ -118,7 +118,8 @@ def outcome_unread(task: Any, request: Any) -> bool:
     any backend) and no callback, errback, chain, chord or group waits on it."""
     if request.callbacks or request.errbacks or request.chain or request.chord or request.group:
         return False
-    return isinstance(task.backend, DisabledBackend) or get_actual_ignore_result(task, request)
+    # (The flags first: task.backend is a lookup through the app.)
+    return get_actual_ignore_result(task, request) or isinstance(task.backend, DisabledBackend)
 
 
 def _stores_results(task: Any, request: Any, failure: bool) -> bool:

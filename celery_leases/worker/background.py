@@ -24,13 +24,11 @@ green pools. ``leases_background_finishes = False`` turns this off.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from ..exceptions import LeaseError, LeaseLost, LeaseUnavailable
@@ -52,17 +50,17 @@ STOP_TIMEOUT = 5.0
 POOLS = frozenset({"celery.concurrency.thread", "celery.concurrency.solo"})
 
 
-@dataclass
 class Pending:
     """One queued finish: the request (with its not-after), when a copy settles it for good
     (monotonic), and what reports a refusal (logged and signalled as a waited one's)."""
 
-    req: FinishRequest
-    final: float
-    report: Callable[[LeaseError], None]
-    #: Monotonic time before which it is not sent again (after a write that got no answer).
-    retry_at: float = 0.0
-    delay: float = FIRST_DELAY
+    __slots__ = ("req", "final", "report", "retry_at", "delay")
+
+    def __init__(self, req: FinishRequest, final: float, report: Callable[[LeaseError], None]) -> None:
+        self.req, self.final, self.report = req, final, report
+        #: Monotonic time before which it is not sent again (after a write that got no answer).
+        self.retry_at = 0.0
+        self.delay = FIRST_DELAY
 
 
 class BackgroundFinishes:
@@ -84,17 +82,19 @@ class BackgroundFinishes:
 
     # -- the tasks' side ------------------------------------------------------
 
-    def add(self, req: FinishRequest, bound: float, report: Callable[[LeaseError], None]) -> bool:
-        """Queue ``req`` (a terminal outcome); False when its caller must finish and wait
-        itself: another process (a prefork child), the thread not running, or no reading
-        of the server's clock to bound its copies with. ``bound``: seconds its copies may
-        apply (the lease's ttl, as a waited finish's); ``report``: called with the reason
-        if it is refused or withheld."""
+    def add(self, task_id: str, owner: str, token: int, outcome: str, bound: float,
+            report: Callable[[LeaseError], None]) -> bool:
+        """Queue the finish of ``task_id`` (a terminal ``outcome``); False when its caller
+        must finish and wait itself: another process (a prefork child), the thread not
+        running, or no reading of the server's clock to bound its copies with. ``bound``:
+        seconds its copies may apply (the lease's ttl, as a waited finish's); ``report``:
+        called with the reason if it is refused or withheld."""
         if self._thread is None or self._stop.is_set() or os.getpid() != self.pid \
                 or not self.server.fresh():
             return False
         not_after = self.server.upper_ms(self.clock()) + math.ceil(bound * 1000)
-        pending = Pending(dataclasses.replace(req, not_after=not_after), self.server.past(not_after), report)
+        pending = Pending(FinishRequest(task_id, owner, token, outcome, not_after=not_after),
+                          self.server.past(not_after), report)
         with self._lock:
             self._queue.append(pending)
             first = len(self._queue) == 1

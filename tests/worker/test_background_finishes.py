@@ -21,7 +21,6 @@ import redis
 import celery_leases
 from celery_leases import LeaseStore
 from celery_leases.exceptions import LeaseError, LeaseLost
-from celery_leases.protocol.store import FinishRequest
 from celery_leases.testing import wait_for
 from celery_leases.worker.background import BackgroundFinishes
 
@@ -82,7 +81,7 @@ def acquired(store: LeaseStore, n: int) -> dict[str, int]:
 
 def queue_all(sender: BackgroundFinishes, leases: dict[str, int], reports: Reports, bound: float = 30) -> None:
     for task_id, token in leases.items():
-        assert sender.add(FinishRequest(task_id, OWNER, token, "succeeded"), bound, reports(task_id))
+        assert sender.add(task_id, OWNER, token, "succeeded", bound, reports(task_id))
 
 
 def test_queued_finishes_land_together(store, finishes):
@@ -160,16 +159,16 @@ def test_stop_sends_what_is_queued_and_then_takes_no_more(store, finishes):
     sender.stop(timeout=5)
     assert sender.accepted == 4 and {store.get(t).state for t in leases} == {"succeeded"}
     task_id, token = next(iter(acquired(store, 1).items()))
-    assert not sender.add(FinishRequest(task_id, OWNER, token, "succeeded"), 30, reports(task_id))
+    assert not sender.add(task_id, OWNER, token, "succeeded", 30, reports(task_id))
 
 
 def test_only_the_process_that_started_it_queues(store, finishes):
     sender, reports = finishes(), Reports()
     task_id, token = next(iter(acquired(store, 1).items()))
     sender.pid = -1  # as a forked child (prefork) sees it: that process finishes and waits itself
-    assert not sender.add(FinishRequest(task_id, OWNER, token, "succeeded"), 30, reports(task_id))
+    assert not sender.add(task_id, OWNER, token, "succeeded", 30, reports(task_id))
     unstarted = BackgroundFinishes(store)
-    assert not unstarted.add(FinishRequest(task_id, OWNER, token, "succeeded"), 30, reports(task_id))
+    assert not unstarted.add(task_id, OWNER, token, "succeeded", 30, reports(task_id))
 
 
 # -- real workers ---------------------------------------------------------------
