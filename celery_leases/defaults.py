@@ -39,8 +39,8 @@ DELIVERIES_PER_MINUTE = 20
 HELD_DELIVERIES = True
 #: Whether workers run recovery passes themselves (one at a time) so recovery survives beat being down.
 WORKER_RECOVERY = True
-#: Threads and solo pools: the finish of a task whose outcome nobody reads is sent in the
-#: background, several in one write, instead of a round trip the task waits for.
+#: Threads pools (concurrency above 1): the finish of a task whose outcome nobody reads is
+#: sent in the background, several in one write, instead of a round trip the task waits for.
 BACKGROUND_FINISHES = True
 #: Whether install() adds the beat entry for celery_leases.recover; None (the default):
 #: only when WORKER_RECOVERY is off, so that one recoverer, not two, runs each interval.

@@ -54,7 +54,7 @@ class LeaseConfig:
     worker_recovery: bool = defaults.WORKER_RECOVERY
     #: Redis broker, tracking on: deliveries of recorded tasks held by their lease, not kombu's hash.
     held_deliveries: bool = defaults.HELD_DELIVERIES
-    #: Threads and solo: finishes nobody waits for sent in the background (worker/background.py).
+    #: Threads: finishes nobody waits for sent in the background (worker/background.py).
     background_finishes: bool = defaults.BACKGROUND_FINISHES
     #: None: add the beat entry only when worker_recovery is off (recovery/beat.py, beat_entry_wanted).
     beat_schedule: bool | None = defaults.BEAT_SCHEDULE

@@ -139,6 +139,9 @@ class LeasedTask(Task):
         lease = self.lease
         self._check_before_start(lease)
         if request.lease_isolate:
+            worker = get_worker(self.app)
+            if worker is not None and worker.finishes is not None:
+                worker.finishes.flush()  # its neighbours' outcomes land before it runs alone
             self._mark_alone(lease)
         tracing.run_started(self, lease)   # returns at once unless tracing.enable() was called
         try:

@@ -1,7 +1,7 @@
 """Finishes nobody waits for, sent by a thread of their own, several in one write.
 
-On the threads and solo pools a task's finish is a round trip made from the
-worker's own process, and the task waits for its answer before it returns.
+On the threads pool a task's finish is a round trip made from the worker's
+own process, and the task waits for its answer before it returns.
 For a task whose outcome nobody reads (its result not stored, and no
 callback, errback, chain, chord or group waiting on it: ``LeasedTask``
 decides) the answer changes nothing the worker does next: accepted or
@@ -17,10 +17,17 @@ so recovery runs the task again once its lease expires. A worker that dies
 before its finishes land leaves their leases to expire and their tasks to run
 again, as a death just after any body does. What differs: the record reads
 ``active`` until the write lands (``GATHER`` and a round trip after the body
-ended), and a death in that window counts for the task as a death while it ran.
+ended), and a death in that window counts for the task as a death while it ran:
+on a pool whose tasks share their process every death is an uncertain one
+(isolation.py), so a task there is charged nothing it would not be charged
+while running. An isolated run starts only once nothing is queued here
+(``flush``), so its death stays its own alone.
 
-Prefork keeps waited finishes (they run in its child processes), as do the
-green pools. ``leases_background_finishes = False`` turns this off.
+Only there: on a pool of one task per process (prefork, solo, a threads pool of
+one) a death is charged to the task that ran, and a finish still on its way
+when the next task killed the process would charge that death to the task
+before it. Those pools, and the green pools, keep waited finishes.
+``leases_background_finishes = False`` turns this off.
 """
 from __future__ import annotations
 
@@ -46,8 +53,9 @@ GATHER = 0.002
 #: Seconds ``stop`` waits for the last write at shutdown before it gives the rest up.
 STOP_TIMEOUT = 5.0
 
-#: The pools whose tasks run in the worker's own process and OS threads.
-POOLS = frozenset({"celery.concurrency.thread", "celery.concurrency.solo"})
+#: The pools whose finishes may go out in the background (with more than one task at a
+#: time in the process: isolation.shares_process).
+POOLS = frozenset({"celery.concurrency.thread"})
 
 
 class Pending:
@@ -105,6 +113,13 @@ class BackgroundFinishes:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    def flush(self) -> None:
+        """Send what is queued now from the caller's thread, and return once it is answered
+        (or handed back to the thread's retries): an isolated run starts with none of its
+        neighbours' outcomes still on their way."""
+        if self._queue and os.getpid() == self.pid:
+            self._send_due(True)
 
     # -- the thread -----------------------------------------------------------
 

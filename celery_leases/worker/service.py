@@ -6,7 +6,7 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 
 - receipt.py: acquire when the worker receives the message (main process);
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
-- background.py: on threads and solo, send the finishes nobody waits for from a thread;
+- background.py: on threads, send the finishes nobody waits for from a thread;
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
 - recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
@@ -34,7 +34,7 @@ from ..runtime import get_store
 from ..protocol.scripts import scripts
 from .background import POOLS as BACKGROUND_POOLS, BackgroundFinishes
 from .heartbeat import Heartbeat
-from .isolation import Isolation
+from .isolation import Isolation, shares_process
 from .lost import LostLeases
 from .receipt import Receipt
 from .revokes import Revoker
@@ -68,9 +68,9 @@ class LeaseWorker:
                                quick_release=quick_release, prefork=prefork, isolation=isolation)
         self.revokes = Revoker(app, config, self.store, self.owner, self.heartbeat)
         self.dropped = DroppedRequests(lambda: [h.request for _, h in self.heartbeat.held.snapshot()])
-        #: Where tasks run in this process's threads: their unread successes' finishes (background.py).
-        self.finishes = BackgroundFinishes(self.store) \
-            if config.background_finishes and type(pool).__module__ in BACKGROUND_POOLS else None
+        #: Where tasks share this process's threads: their unread successes' finishes (background.py).
+        self.finishes = BackgroundFinishes(self.store) if config.background_finishes \
+            and type(pool).__module__ in BACKGROUND_POOLS and shares_process(pool) else None
 
     # -- lifecycle --------------------------------------------------------
 

@@ -1,11 +1,13 @@
-"""Finishes sent in the background (worker/background.py): a success nobody reads, on the
-threads and solo pools, is queued and sent after the task returned, several in one write.
+"""Finishes sent in the background (worker/background.py): a success nobody reads, on a
+threads pool of more than one thread, is queued and sent after the task returned, several
+in one write.
 
 The class against a real redis-server first (what it promises: every finish lands or is
 reported, refusals and errors one by one, an outage retried within the bound, nothing
-left at a stop), then real workers: the tasks run once each and end succeeded, a worker
-killed right after such a task returned has it run again (its finish never landed), and
-``leases_background_finishes = False`` keeps the finish waited.
+left at a stop), then real workers: the tasks run once each and end succeeded; a threads
+worker killed right after such a task returned has it run again (its finish never
+landed); on a pool of one task per process (solo, a threads pool of one), and with
+``leases_background_finishes = False``, the finish stays waited and nothing runs again.
 """
 from __future__ import annotations
 
@@ -162,6 +164,17 @@ def test_stop_sends_what_is_queued_and_then_takes_no_more(store, finishes):
     assert not sender.add(task_id, OWNER, token, "succeeded", 30, reports(task_id))
 
 
+def test_flush_sends_what_is_queued_from_the_callers_thread(store, finishes):
+    """(An isolated run flushes before it starts: none of its neighbours' finishes is then
+    on its way when it runs alone.)"""
+    sender, reports = finishes(gather=5.0), Reports()
+    leases = acquired(store, 3)
+    queue_all(sender, leases, reports)
+    sender.flush()
+    assert sender.accepted == 3 and sender.queued == 0
+    assert {store.get(t).state for t in leases} == {"succeeded"}
+
+
 def test_only_the_process_that_started_it_queues(store, finishes):
     sender, reports = finishes(), Reports()
     task_id, token = next(iter(acquired(store, 1).items()))
@@ -189,22 +202,26 @@ def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, h
     assert "refused" not in worker.log()
 
 
-@pytest.mark.parametrize("background", ["1", "0"])
-def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker, history, background):
+@pytest.mark.parametrize("pool, concurrency, background, runs_expected", [
+    ("threads", 2, "1", 2),   # the finish was on its way: the task runs again
+    ("threads", 2, "0", 1),   # leases_background_finishes = False: the finish was waited for
+    ("solo", 1, "1", 1),      # one task per process: waited, so a death is never the next task's
+    ("threads", 1, "1", 1),
+])
+def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker, history, pool,
+                                                      concurrency, background, runs_expected):
     """With the finish in the background, a death just after the task returned (before the
     finish went out) leaves the lease to expire: the task runs again, and exactly one run's
     outcome is accepted. A waited finish had landed before the task returned: no second run."""
     store = celery_leases.store(client_app)
-    start_worker("a", pool="threads", concurrency=2, LEASES_TEST_BACKGROUND=background)
+    start_worker("a", pool=pool, concurrency=concurrency, LEASES_TEST_BACKGROUND=background)
     result = client_app.signature(f"{TASKS}.add_ignored_then_die", (1, 2)).delay()
     wait_for(lambda: any(h[0] == "died" and h[1] == result.id for h in history()), 30, "the worker killed")
     start_worker("b", pool="threads", concurrency=2, LEASES_TEST_WORKER_RECOVERY="1",
                  LEASES_TEST_BACKGROUND=background)
     wait_for(lambda: store.get(result.id).state == "succeeded", 30, "the task succeeded")
-    starts = runs(history, result.id)
-    if background == "1":
-        assert len(starts) == 2, starts
-        assert store.get(result.id).token == int(starts[-1][3]["token"])
-    else:
+    if runs_expected == 1:
         time.sleep(3)  # (a ttl and a recovery interval: nothing runs it again)
-        assert len(runs(history, result.id)) == 1
+    starts = runs(history, result.id)
+    assert len(starts) == runs_expected, starts
+    assert store.get(result.id).token == int(starts[-1][3]["token"])
