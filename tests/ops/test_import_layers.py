@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.source import parse
+
 PACKAGE = "celery_leases"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
@@ -59,7 +61,7 @@ def imports(name: str, path: Path, known: set[str], *, typing: bool = True) -> l
     to the module they load (``from . import x`` is module ``x`` when ``x`` is one).
     ``typing=False`` leaves out the imports under ``if TYPE_CHECKING``."""
     out: list[tuple[str, int]] = []
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path)
     skip = set() if typing else _type_only(tree)
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -255,7 +257,7 @@ def test_the_chaos_suite_imports_nothing_of_the_tests():
     chaos = ROOT.parent / "chaos"
     wrong = []
     for path in sorted(chaos.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path)):
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             wrong += [f"{path.name} imports {name} (line {node.lineno})"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.source import parse
+
 ROOT = Path(__file__).resolve().parents[2] / "celery_leases"
 LOOKUPS = {"client_config", "get_config"}
 
@@ -30,7 +32,7 @@ ENTRY_POINTS = {
 
 
 def _lookups(path: Path) -> bool:
-    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")

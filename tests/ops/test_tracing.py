@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import celery_leases  # noqa: E402
 from celery_leases.ops import tracing  # noqa: E402
 from celery_leases.testing import make_stale, wait_for_lease  # noqa: E402
+from tests.support.source import parse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,7 +138,7 @@ def test_without_enable_spans_carry_nothing_and_the_store_is_not_asked(app, expo
 def test_only_tracing_py_imports_opentelemetry_and_only_when_enabled():
     # No module of the package imports opentelemetry at module level (tracing.py: in enable())
     for path in (ROOT / "celery_leases").rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        tree = parse(path)
         for node in tree.body:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import celery_leases.protocol
+from tests.support.source import parse
 
 PROTOCOL_DIR = Path(celery_leases.protocol.__file__).resolve().parent
 MODULES = ["celery_leases.protocol"] + sorted(
@@ -63,7 +64,7 @@ def imports_of(nodes) -> set[str]:
 
 def imported_modules(path: Path) -> set[str]:
     """The celery_leases modules ``path`` imports, at any depth of its code."""
-    return imports_of(ast.walk(ast.parse(path.read_text("utf-8"), str(path))))
+    return imports_of(ast.walk(parse(path)))
 
 
 @pytest.mark.parametrize("path", sorted(PROTOCOL_DIR.glob("*.py")), ids=lambda p: p.name)
@@ -85,7 +86,7 @@ def test_the_layer_check_sees_relative_imports():
 
 def module_level_imports(path: Path) -> set[str]:
     """The protocol modules ``path`` imports as it loads (not inside functions or TYPE_CHECKING)."""
-    body = [node for node in ast.parse(path.read_text("utf-8"), str(path)).body
+    body = [node for node in parse(path).body
             if not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))]
     return {name for name in imports_of(body) if name.startswith("celery_leases.protocol.")}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.source import parse
+
 PACKAGE = "celery_leases.protocol"
 ROOT = Path(__file__).resolve().parents[2] / "celery_leases" / "protocol"
 #: docs/architecture.md: "No module over about 400 lines".
@@ -32,7 +34,7 @@ def imported(name: str, path: Path, known: set[str]) -> set[str]:
     level, inside functions, under TYPE_CHECKING)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             bases = [alias.name for alias in node.names]
             names: list[str] = []
