@@ -154,6 +154,21 @@ def test_past_its_bound_an_unanswered_finish_is_withheld_and_reported(store, fin
     assert {store.get(t).state for t in leases} == {"active"}
 
 
+def test_an_unexpected_error_reports_its_finishes_and_the_thread_goes_on(store, finishes, monkeypatch):
+    sender, reports = finishes(gather=0.05), Reports()
+    broken, good = acquired(store, 1), acquired(store, 1)
+    real = store.finish_many
+    monkeypatch.setattr(store, "finish_many", lambda reqs: (_ for _ in ()).throw(RuntimeError("a bug")))
+    queue_all(sender, broken, reports)
+    wait_for(lambda: len(reports.by_task) == 1, 10, "the finish reported")
+    (task_id,) = broken
+    assert "withheld" in reports.by_task[task_id].reason and "a bug" in reports.by_task[task_id].reason
+    monkeypatch.setattr(store, "finish_many", real)
+    queue_all(sender, good, reports)
+    wait_for(lambda: sender.accepted == 1, 10, "the next finish accepted: the thread went on")
+    assert sender.running
+
+
 def test_stop_sends_what_is_queued_and_then_takes_no_more(store, finishes):
     sender, reports = finishes(gather=5.0), Reports()  # (a long gather: only the stop sends them)
     leases = acquired(store, 4)
