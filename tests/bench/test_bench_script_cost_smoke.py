@@ -34,6 +34,6 @@ def test_script_cost_wall_reads_the_servers_time_per_task_beside_the_floor(tmp_p
     wall = json.loads((tmp_path / "cost.json").read_text())["usec_per_task"]
     lease, floor = wall["lease (acquire + finish, no result)"][0], wall["floor: their commands alone"][0]
     assert lease > 0 and floor > 0 and wall["packed record, commands alone (weighed)"][0] > 0, wall
-    # And the commands alone cost less than the scripts that run them, and the target is judged
-    assert floor < lease, wall
+    # And the target is judged (which of lease and floor is cheaper is the benchmark's finding, read
+    # over several rounds: one round of wall-clock time on a shared machine cannot order them)
     assert "server time per task" in out.stdout and "target: a lease's acquire + finish" in out.stdout
