@@ -15,6 +15,8 @@ before and after each phase, ``callgrind_control --dump``):
   with the previous batch's start marks riding along (as the acquirer sends them);
 - ``finish``: each task's finish, with the result record written in the same
   call (one Redis), and ``finish, no result``: without it (the lease store apart);
+- ``finish, no result, in the background``: the same finishes ``--batch`` per
+  ``finish_many`` call, as a threads worker's background finishes send them;
 - the baselines, measured in the same run: kombu's Redis ack emulation for one
   message (``QoS.append``'s pipeline of ZADD + HSET at delivery, ``QoS.ack``'s
   ZREM + HDEL), which lease-held deliveries replace; Celery's own result write
@@ -293,11 +295,12 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
         store.finish("warm", "w1", warm.token, "succeeded", write=("cost:r:warm", "{}", 60))
         queued.enqueue(QueuedTask("warm2", "bench.noop", BODY, ENVELOPE))
         floor_ids = [uuid.uuid4().hex for _ in range(n)]
+        grouped = [uuid.uuid4().hex for _ in range(n)]
         tokens: dict[str, int] = {}
         per: dict[str, float] = {}
 
         def enqueue() -> None:
-            for i in ids + bare + floor_ids:
+            for i in ids + bare + floor_ids + grouped:
                 queued.enqueue(QueuedTask(i, "bench.noop", BODY, ENVELOPE, publish="p" + i))
 
         def acquire(which: list[str]) -> Callable[[], None]:
@@ -318,6 +321,11 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
                     store.finish(i, "w1", tokens[i], "succeeded",
                                  write=(f"celery-task-meta-{i}", result, 86400) if write else None)
             return run
+
+        def finish_grouped() -> None:
+            # The background finishes' write (worker/background.py): `batch` in one finish_many call.
+            for k in range(0, len(grouped), batch):
+                store.finish_many([FinishRequest(i, "w1", tokens[i], "succeeded") for i in grouped[k:k + batch]])
 
         def kombu_acks() -> None:
             # kombu.transport.redis.QoS.append and .ack, as Celery runs them per message.
@@ -354,6 +362,7 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
         phases: list[tuple[str, Callable[[], None]]] = [
             ("enqueue", enqueue), ("acquire", acquire(ids)), ("finish", finish(ids, True)),
             ("finish, no result", finish(bare, False)),
+            ("finish, no result, in the background (finish_many)", finish_grouped),
             ("kombu ack bookkeeping", kombu_acks), ("Celery result write", result_writes),
             ("PING", pings), ("EVALSHA return 1", lua_floor(empty)),
             ("EVALSHA, one redis.call", lua_floor(one_call)),
@@ -362,8 +371,10 @@ def measure(n: int, batch: int, out_dir: str, keep: bool = False) -> dict[str, f
         for name, run in phases:
             if name == "finish, no result":
                 acquire(bare)()  # (not counted: the same acquires as above)
+            if name.startswith("finish, no result, in the background"):
+                acquire(grouped)()
             per[name] = server.count(run, name) / n
-        per["enqueue"] /= 3  # it recorded every set of ids
+        per["enqueue"] /= 4  # it recorded every set of ids
         return per
     finally:
         server.stop()

@@ -3,8 +3,9 @@
 ``renew_many`` (each heartbeat tick), ``release`` (a dead pool child's or a
 warm shutdown's leases made due now), ``mark_started`` (bodies that began
 running) and ``finish_many`` (outcomes nobody waits for, sent in the
-background: one finish.lua call each). The calls go out pipelined: one round
-trip to a single server, one per master on a cluster (calls.py).
+background: one finish_many.lua call on a single server, else one finish.lua
+call each). The calls go out pipelined: one round trip to a single server, one
+per master on a cluster (calls.py).
 """
 from __future__ import annotations
 
@@ -137,8 +138,14 @@ def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseErr
         if script is not scripts.finish:
             raise ValueError(f"finish_many: task {req.task_id}: a retry hand-over is finished alone")
         calls.append((keys, args))
+    what = f"{len(reqs)} finishes"
+    if len(calls) > 1 and not core.calls.cluster and all(
+            len(keys) == FINISH_KEYS and len(args) == FINISH_ARGS for keys, args in calls):
+        replies = _finish_many_call(core, calls, what)
+    else:  # a cluster, or a finish with its optional tail: finish.lua calls, pipelined
+        replies = core.calls.run_many(scripts.finish, calls, what)
     out: list[LeaseError | None] = []
-    for req, reply in zip(reqs, core.calls.run_many(scripts.finish, calls, f"{len(reqs)} finishes")):
+    for req, reply in zip(reqs, replies):
         try:
             raise_if_corrupt(reply, f"finish of task {req.task_id}")
             code, _, state = reply
@@ -148,3 +155,25 @@ def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseErr
         else:
             out.append(None)
     return out
+
+
+#: Keys and arguments of a finish without finish.lua's optional tail: what finish_many.lua takes.
+FINISH_KEYS, FINISH_ARGS = 5, 6
+
+
+def _finish_many_call(core: StoreCore, calls: Sequence[tuple[list, list]], what: str) -> list:
+    """finish_many.lua's replies to ``calls`` (finish.lua's keys and arguments, no optional
+    tail), one script call on a single server. An error of one finish raises for all, as a
+    pipeline of finish.lua calls does (each is safe to send again)."""
+    keys = [key for one_keys, _ in calls for key in one_keys]
+    args = [len(calls), *(arg for _, one_args in calls for arg in one_args)]
+    replies = core.calls.run(scripts.finish_many, keys, args, what)
+    if not isinstance(replies, list) or len(replies) != len(calls):
+        raise LeaseError(f"finish_many on {core.calls.description}: {len(calls)} finish(es) answered "
+                         f"{replies!r}")
+    for reply in replies:
+        if isinstance(reply, Exception):
+            error = core.calls.error(scripts.finish_many, reply, what)
+            raise error if isinstance(error, LeaseError) else LeaseError(
+                f"finish_many ({what}) on {core.calls.description}: {reply!r}")
+    return replies

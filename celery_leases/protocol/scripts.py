@@ -27,11 +27,12 @@ SCRIPT_NAMES = (
     "mark_started",
     "enqueue", "claim_undelivered", "forget",
     "claim_unwritten", "results_written",
+    "finish_many",
 )
 
-#: Script -> the script whose body it calls as a function: ``local function acquire(kb, ab)``,
-#: its KEYS and ARGV read at those offsets (``_embedded``).
-EMBEDDED = {"acquire_many": "acquire"}
+#: Script -> the script whose body it calls as a function: ``local function acquire(kb, ab, na)``,
+#: its KEYS and ARGV read at those offsets, its ``#ARGV`` being ``na`` (``_embedded``).
+EMBEDDED = {"acquire_many": "acquire", "finish_many": "finish"}
 
 
 def _read(name: str) -> str:
@@ -70,14 +71,18 @@ def _code_of(text: str) -> str:
 
 
 def _embedded(name: str) -> str:
-    """Script ``name``'s body as ``local function name(kb, ab)``, reading its KEYS[i] and
-    ARGV[i] at offsets kb and ab of the calling script's: a call of many runs it on slices of
-    its own keys and arguments without copying them into tables first."""
+    """Script ``name``'s body as ``local function name(kb, ab, na)``, reading its KEYS[i] and
+    ARGV[i] at offsets kb and ab of the calling script's, and ``na`` as its number of
+    arguments (``#ARGV``, which an optional tail is read by): a call of many runs it on slices
+    of its own keys and arguments without copying them into tables first. Where the body hands
+    ARGV itself to a helper (finish.lua's confirmations, read up to its ``#ARGV``), the helper
+    reads absolute positions: an embedding call passes ``na`` short of that tail."""
     text = _read(name)
     header, code = text.split("]]", 1) if text.startswith("--[[") else ("", text)
     code = re.sub(r"\b(KEYS|ARGV)\[(\d+)\]",
                   lambda m: f"{m.group(1)}[{'kb' if m.group(1) == 'KEYS' else 'ab'} + {m.group(2)}]", code)
-    return f"local function {name}(kb, ab)\n{code}\nend"
+    code = re.sub(r"#ARGV\b", "na", code)
+    return f"local function {name}(kb, ab, na)\n{code}\nend"
 
 
 def source(name: str) -> str:

@@ -21,6 +21,7 @@ from celery_leases.protocol import calls as calls_module, fencing, scripts as sc
 from celery_leases.protocol.scripts import SCRIPT_NAMES, Script, source
 from celery_leases.protocol.queued import QueuedTask, QueuedTasks
 from celery_leases.protocol.transport import DirectCaller
+from celery_leases.protocol.transitions import FinishRequest
 
 SCRIPT_DIR = Path(scripts_module.__file__).resolve().parent / "scripts"
 LUA_FILES = sorted(p for p in SCRIPT_DIR.glob("*.lua") if p.name != "_helpers.lua")
@@ -250,6 +251,8 @@ def test_the_store_passes_each_script_the_keys_and_arguments_its_header_document
     store.acquire("t1", "w", reassert=again.token)
     handed = store.acquire("t4", "w")
     store.finish("t4", "w", handed.token, "retry", next_attempt=1)
+    pair = {t: store.acquire(t, "w").token for t in ("t8", "t9")}
+    assert store.finish_many([FinishRequest(t, "w", token, "succeeded") for t, token in pair.items()]) == [None, None]
     other = store.acquire("t2", "w")
     store.finish("t2", "w", other.token, "succeeded", write=(f"{key_prefix}:result:t2", "r", 0))
     kept = store.acquire("t6", "w")

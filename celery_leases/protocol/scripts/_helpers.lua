@@ -69,8 +69,8 @@
                              ``owner`` still holds them, and ``alone`` ('1') when the worker
                              runs each with nothing beside it; the number marked (counted as
                              ``started``); mark_started.lua and acquire_many.lua
-  drop_unwritten(index, results, ids, from)
-                             forget the kept results (unwritten.py) of ids[from..]: Celery
+  drop_unwritten(index, results, ids, from, to)
+                             forget the kept results (unwritten.py) of ids[from..to]: Celery
                              wrote them; finish.lua (riding along) and results_written.lua
 ]]
 local function now_ms()
@@ -365,8 +365,8 @@ local function mark_starts(stats, keys, from, owner, tokens, at, alone)
   return marked
 end
 
-local function drop_unwritten(index, results, ids, from)
-  for i = from, #ids do
+local function drop_unwritten(index, results, ids, from, to)
+  for i = from, to do
     redis.call('ZREM', index, ids[i])
     redis.call('HDEL', results, ids[i])
   end

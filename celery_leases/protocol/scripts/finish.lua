@@ -64,9 +64,12 @@
 local key, deadlines, stats, message, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local task_id, owner, token, outcome = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local not_after = tonumber(ARGV[6]) or 0
-local result_key = (ARGV[7] or '') ~= '' and KEYS[6]
+-- The optional tail is read only as far as this call's own arguments go (finish_many.lua
+-- runs this body on a slice of its arguments: past the slice are the next finish's).
+local nargs = #ARGV
+local result_key = nargs >= 7 and ARGV[7] ~= '' and KEYS[6]
 local unwritten, unwritten_results = KEYS[7], KEYS[8]
-local kept = ARGV[9] or ''
+local kept = nargs >= 9 and ARGV[9] or ''
 
 local rec, bad = load(key, {'state', 'token', 'owner'}, {'token'}, {'token'})
 if bad then return bad end
@@ -74,12 +77,12 @@ if bad then return bad end
 -- the paths that write before it (a re-assert of a vanished record, unwritten results
 -- riding along) check it first. The sequence is written only by a re-assert; the unwritten
 -- results only with a kept result or confirmations riding along.
-local riding = kept ~= '' or #ARGV >= 11
+local riding = kept ~= '' or nargs >= 11
 if riding or not rec.state then
   bad = check_type(deadlines, 'zset') or (not rec.state and check_type(seq, 'string'))
       or (riding and (check_type(unwritten, 'zset') or check_type(unwritten_results, 'hash')))
   if bad then return bad end
-  drop_unwritten(unwritten, unwritten_results, ARGV, 11)
+  drop_unwritten(unwritten, unwritten_results, ARGV, 11, nargs)
 end
 local now = now_ms()
 local current = num(rec, key, 'token')

@@ -19,7 +19,7 @@
 local index, results, stats = KEYS[1], KEYS[2], KEYS[3]
 local bad = check_type(index, 'zset') or check_type(results, 'hash')
 if bad then return bad end
-drop_unwritten(index, results, ARGV, 2)
+drop_unwritten(index, results, ARGV, 2, #ARGV)
 local wrote = tonumber(ARGV[1]) or 0
 if wrote > 0 then count(stats, 'results_written', wrote) end
 return {OK}
