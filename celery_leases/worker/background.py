@@ -7,7 +7,7 @@ callback, errback, chain, chord or group waiting on it: ``LeasedTask``
 decides) the answer changes nothing the worker does next: accepted or
 refused, nothing of the outcome leaves the worker. Such a finish is queued
 here and the task returns at once; this thread sends what is queued after
-``GATHER`` seconds, in one pipelined write (``LeaseStore.finish_many``).
+``GATHER`` seconds, in one write (``LeaseStore.finish_many``: one finish_many.lua call).
 
 Unchanged: each finish carries its owner and token and is refused as a waited
 one is (logged, ``stale_outcome_rejected``); one that gets no answer is sent
