@@ -127,3 +127,20 @@ def test_the_script_refuses_keys_and_arguments_that_are_not_whole_finishes(store
     with pytest.raises(LeaseError, match="do not match 2 finish"):
         store.calls.run(scripts.finish_many, keys, [2, *args], "test")
     assert not store.client.exists(store.keys.record("x"))
+
+
+def test_a_server_that_lost_its_scripts_is_sent_the_source_again(own_server, key_prefix):
+    # Given a server of this test, its script cache flushed after finish_many was loaded
+    server = own_server("leases")
+    client = server.client()
+    store = LeaseStore(client, prefix=key_prefix, ttl=5, retention=60)
+    first = held(store, "a", "b")
+    assert store.finish_many([FinishRequest(t, "w", token, "succeeded") for t, token in first.items()]) == \
+        [None, None]
+    client.script_flush()
+    # When the next finishes go together, Then they land (NOSCRIPT: the source is sent again)
+    tokens = held(store, "c", "d")
+    assert store.finish_many([FinishRequest(t, "w", token, "failed") for t, token in tokens.items()]) == \
+        [None, None]
+    assert state(store, "c") == "failed" and state(store, "d") == "failed"
+    client.close()
