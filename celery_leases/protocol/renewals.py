@@ -19,7 +19,7 @@ from .codes import Code
 from .core import StoreCore
 from .records import raise_if_corrupt
 from .scripts import scripts
-from .transitions import FinishRequest, finish_call
+from .transitions import FinishRequest, finish_call, finish_many_call
 
 __all__ = ["renew_many", "release", "mark_started", "finish_many"]
 
@@ -139,9 +139,9 @@ def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseErr
             raise ValueError(f"finish_many: task {req.task_id}: a retry hand-over is finished alone")
         calls.append((keys, args))
     what = f"{len(reqs)} finishes"
-    if len(calls) > 1 and not core.calls.cluster and all(
-            len(keys) == FINISH_KEYS and len(args) == FINISH_ARGS for keys, args in calls):
-        replies = _finish_many_call(core, calls, what)
+    many = finish_many_call(calls) if len(calls) > 1 and not core.calls.cluster else None
+    if many is not None:
+        replies = _finish_many(core, reqs, *many, what)
     else:  # a cluster, or a finish with its optional tail: finish.lua calls, pipelined
         replies = core.calls.run_many(scripts.finish, calls, what)
     out: list[LeaseError | None] = []
@@ -157,23 +157,18 @@ def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseErr
     return out
 
 
-#: Keys and arguments of a finish without finish.lua's optional tail: what finish_many.lua takes.
-FINISH_KEYS, FINISH_ARGS = 5, 6
-
-
-def _finish_many_call(core: StoreCore, calls: Sequence[tuple[list, list]], what: str) -> list:
-    """finish_many.lua's replies to ``calls`` (finish.lua's keys and arguments, no optional
-    tail), one script call on a single server. An error of one finish raises for all, as a
-    pipeline of finish.lua calls does (each is safe to send again)."""
-    keys = [key for one_keys, _ in calls for key in one_keys]
-    args = [len(calls), *(arg for _, one_args in calls for arg in one_args)]
+def _finish_many(core: StoreCore, reqs: Sequence[FinishRequest], keys: list, args: list, what: str) -> list:
+    """finish_many.lua's reply to ``reqs``, one per finish, from one script call on a single
+    server. An error of one finish raises for all (naming its task), as a pipeline of
+    finish.lua calls does: each finish is safe to send again."""
     replies = core.calls.run(scripts.finish_many, keys, args, what)
-    if not isinstance(replies, list) or len(replies) != len(calls):
-        raise LeaseError(f"finish_many on {core.calls.description}: {len(calls)} finish(es) answered "
+    if not isinstance(replies, list) or len(replies) != len(reqs):
+        raise LeaseError(f"finish_many on {core.calls.description}: {len(reqs)} finish(es) answered "
                          f"{replies!r}")
-    for reply in replies:
+    for req, reply in zip(reqs, replies):
         if isinstance(reply, Exception):
-            error = core.calls.error(scripts.finish_many, reply, what)
+            where = f"finish of task {req.task_id}, one of {what}"
+            error = core.calls.error(scripts.finish_many, reply, where)
             raise error if isinstance(error, LeaseError) else LeaseError(
-                f"finish_many ({what}) on {core.calls.description}: {reply!r}")
+                f"finish_many ({where}) on {core.calls.description}: {reply!r}")
     return replies

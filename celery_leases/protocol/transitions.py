@@ -23,6 +23,9 @@ __all__ = ["AcquireRequest", "FinishRequest", "acquire_request", "ACQUIRE_KEYS",
 
 #: Keys and arguments of one acquire (acquire.lua's header): acquire_many takes them in blocks.
 ACQUIRE_KEYS, ACQUIRE_ARGS = 6, 15
+#: Keys and arguments of a finish without its optional tail (finish.lua's header): finish_many
+#: takes them in blocks.
+FINISH_KEYS, FINISH_ARGS = 5, 6
 
 
 @dataclass(frozen=True)
@@ -193,3 +196,13 @@ def finish_call(core: StoreCore, req: FinishRequest) -> tuple[Script, list, list
         keys += [shard.unwritten, shard.unwritten_results]
         args += [req.kept or "", ms(req.kept_due), *req.written]
     return scripts.finish, keys, args
+
+
+def finish_many_call(calls: Sequence[tuple[list, list]]) -> tuple[list, list] | None:
+    """KEYS and ARGV of finish_many.lua for finishes built by ``finish_call``, or None when
+    one of them carries finish.lua's optional tail (a result written, kept or confirmed),
+    which finish_many does not take."""
+    if not all(len(keys) == FINISH_KEYS and len(args) == FINISH_ARGS for keys, args in calls):
+        return None
+    return ([key for keys, _ in calls for key in keys],
+            [len(calls), *(arg for _, args in calls for arg in args)])

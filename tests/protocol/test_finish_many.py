@@ -13,7 +13,7 @@ from celery_leases import LeaseStore
 from celery_leases.exceptions import LeaseError, LeaseLost
 from celery_leases.protocol import renewals, unwritten
 from celery_leases.protocol.scripts import scripts
-from celery_leases.protocol.transitions import FinishRequest, finish_call
+from celery_leases.protocol.transitions import FinishRequest, finish_call, finish_many_call
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def test_an_error_of_one_finish_is_its_own_and_the_batch_is_safe_to_send_again(s
     calls[1][1][3] = "vanished"
 
     # When the three go in one call: it raises for the batch, naming the error
-    with pytest.raises(LeaseError, match="finish_many.*unknown outcome vanished"):
-        renewals._finish_many_call(store, calls, "3 finishes")
+    with pytest.raises(LeaseError, match="finish_many.*task b.*unknown outcome vanished"):
+        renewals._finish_many(store, reqs, *finish_many_call(calls), "3 finishes")
 
     # Then its neighbours were applied all the same, and it changed nothing
     assert state(store, "a") == "succeeded" and state(store, "c") == "succeeded"
