@@ -25,6 +25,7 @@ from .connection import describe
 from .errors import lease_error
 from .transport.direct import DirectCaller
 from .transport.direct import supported as direct_supported
+from .transport.resp import pack
 
 if TYPE_CHECKING:
     from .scripts import Script
@@ -151,6 +152,20 @@ class ScriptCalls:
                 raise self.error(script, result, what) from result
             out.append(result)
         return out
+
+    def run_each(self, calls: Sequence[tuple["Script", Sequence[Any], Sequence[Any]]], what: str) -> list:
+        """Different scripts' calls in one write to a single server: each reply raw, for
+        ``reply`` to take (an error reply is its exception, not raised); an error of the
+        whole write raises, mapped as ``read`` maps it."""
+        def send() -> list:
+            if self.direct is not None:
+                return self.direct.send([pack("EVALSHA", script.sha, len(keys), *keys, *args)
+                                         for script, keys, args in calls])
+            pipe = self.client.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return pipe.execute(raise_on_error=False)
+        return self.read(send, what)
 
     def _run_many_cluster(self, script: "Script", calls: Sequence[Call], what: str) -> list:
         """``run_many`` on a cluster: one pipeline per master, on its own connection.

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ..exceptions import LeaseError
 from .calls import ms, raise_unless_ok
 from .codes import Code
 from .core import StoreCore
-from .records import raise_if_corrupt
+from .records import Acquisition, raise_if_corrupt
 from .scripts import scripts
-from .transitions import FinishRequest, finish_call, finish_many_call
+from .transitions import AcquireRequest, FinishRequest, acquire_call, finish_call, finish_many_call
 
-__all__ = ["renew_many", "release", "mark_started", "finish_many"]
+__all__ = ["renew_many", "release", "mark_started", "finish_many", "acquire_with_finishes"]
 
 logger = logging.getLogger("celery_leases.store")
 
@@ -132,18 +132,79 @@ def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseErr
     Raises what ``calls.run_many`` raises (LeaseUnavailable: no answer) for the whole
     batch: every finish is safe to send again (finish.lua answers OK to its own copy).
     """
+    calls = _finish_calls(reqs, core)
+    what = f"{len(reqs)} finishes"
+    one = one_finish_call(core, reqs, calls) if len(calls) > 1 else None
+    if one is not None:
+        replies = _many_replies(core, reqs, core.calls.run(*one, what), what)
+    else:  # a cluster, or a finish with its optional tail: finish.lua calls, pipelined
+        replies = core.calls.run_many(scripts.finish, calls, what)
+    return _answers(reqs, replies)
+
+
+def acquire_with_finishes(core: StoreCore, req: AcquireRequest, finishes: Sequence[FinishRequest],
+                          acquired: Callable[[Any, AcquireRequest], Acquisition]) -> tuple[Any, Any]:
+    """The acquire ``req`` with ``finishes`` riding in the same write to a single server, the
+    finishes first (a solo worker's finishes nobody waits for, worker/background.py).
+
+    Returns the Acquisition or the LeaseError of the acquire, and the finishes' answers
+    (as ``finish_many``'s) or the LeaseError of them all; an error of the write is both
+    (each is safe to send again). ``acquired(raw, req)`` reads the acquire's reply. On a
+    cluster, or with a finish that has its optional tail, the two go one after the other.
+    """
+    what = f"the acquire of task {req.task_id} with {len(finishes)} finish(es)"
+    one = one_finish_call(core, finishes, _finish_calls(finishes, core)) if finishes else None
+    if one is None:
+        answers: Any = []
+        if finishes:
+            try:
+                answers = finish_many(core, finishes)
+            except LeaseError as exc:
+                answers = exc
+        try:
+            return core.acquire_request(req), answers  # type: ignore[attr-defined]
+        except LeaseError as exc:
+            return exc, answers
+    try:
+        raw_finish, raw_acquire = core.calls.run_each([one, acquire_call(core, req)], what)
+    except LeaseError as exc:
+        return exc, exc
+    try:
+        acq: Any = acquired(raw_acquire, req)
+    except LeaseError as exc:
+        acq = exc
+    try:
+        raw_finish = core.calls.reply(one[0], one[1], one[2], raw_finish, what)
+        answers = _answers(finishes, [raw_finish] if len(finishes) == 1 else
+                           _many_replies(core, finishes, raw_finish, what))
+    except LeaseError as exc:
+        answers = exc
+    return acq, answers
+
+
+def one_finish_call(core: StoreCore, reqs: Sequence[FinishRequest],
+                    calls: Sequence[tuple[list, list]]) -> tuple[Any, list, list] | None:
+    """The one script call (finish.lua for one, finish_many.lua for several) that finishes
+    ``reqs`` on a single server; None on a cluster or when a finish has its optional tail."""
+    if core.calls.cluster:
+        return None
+    if len(calls) == 1:
+        return (scripts.finish, *calls[0])
+    many = finish_many_call(calls)
+    return None if many is None else (scripts.finish_many, *many)
+
+
+def _finish_calls(reqs: Sequence[FinishRequest], core: StoreCore) -> list[tuple[list, list]]:
     calls = []
     for req in reqs:
         script, keys, args = finish_call(core, req)
         if script is not scripts.finish:
             raise ValueError(f"finish_many: task {req.task_id}: a retry hand-over is finished alone")
         calls.append((keys, args))
-    what = f"{len(reqs)} finishes"
-    many = finish_many_call(calls) if len(calls) > 1 and not core.calls.cluster else None
-    if many is not None:
-        replies = _finish_many(core, reqs, *many, what)
-    else:  # a cluster, or a finish with its optional tail: finish.lua calls, pipelined
-        replies = core.calls.run_many(scripts.finish, calls, what)
+    return calls
+
+
+def _answers(reqs: Sequence[FinishRequest], replies: Sequence[Any]) -> list[LeaseError | None]:
     out: list[LeaseError | None] = []
     for req, reply in zip(reqs, replies):
         try:
@@ -157,11 +218,10 @@ def finish_many(core: StoreCore, reqs: Sequence[FinishRequest]) -> list[LeaseErr
     return out
 
 
-def _finish_many(core: StoreCore, reqs: Sequence[FinishRequest], keys: list, args: list, what: str) -> list:
-    """finish_many.lua's reply to ``reqs``, one per finish, from one script call on a single
-    server. An error of one finish raises for all (naming its task), as a pipeline of
-    finish.lua calls does: each finish is safe to send again."""
-    replies = core.calls.run(scripts.finish_many, keys, args, what)
+def _many_replies(core: StoreCore, reqs: Sequence[FinishRequest], replies: Any, what: str) -> list:
+    """finish_many.lua's reply to ``reqs``, one per finish. An error of one finish raises for
+    all (naming its task), as a pipeline of finish.lua calls does: each finish is safe to
+    send again."""
     if not isinstance(replies, list) or len(replies) != len(reqs):
         raise LeaseError(f"finish_many on {core.calls.description}: {len(reqs)} finish(es) answered "
                          f"{replies!r}")

@@ -281,6 +281,10 @@ class LeaseStore(StoreCore):
         """Several terminal finishes in one round trip; None or why not, each (renewals.py)."""
         return renewals.finish_many(self, reqs)
 
+    def acquire_with_finishes(self, req: AcquireRequest, finishes: Sequence[FinishRequest]) -> tuple[Any, Any]:
+        """``acquire_request(req)`` with ``finishes`` in its write; each answer a value (renewals.py)."""
+        return renewals.acquire_with_finishes(self, req, finishes, self._acquired)
+
     def progress(self, task_id: str, owner: str, token: int) -> None:
         """Report progress of the running body; raises LeaseLost when no longer the owner."""
         key = self.keys.record(one_task(task_id))

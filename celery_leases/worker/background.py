@@ -1,13 +1,20 @@
-"""Finishes nobody waits for, sent by a thread of their own, several in one write.
+"""Finishes nobody waits for: queued by the task, which returns at once, and sent
+several in one write.
 
-On the threads pool a task's finish is a round trip made from the worker's
-own process, and the task waits for its answer before it returns.
-For a task whose outcome nobody reads (its result not stored, and no
-callback, errback, chain, chord or group waiting on it: ``LeasedTask``
-decides) the answer changes nothing the worker does next: accepted or
-refused, nothing of the outcome leaves the worker. Such a finish is queued
-here and the task returns at once; this thread sends what is queued after
-``GATHER`` seconds, in one write (``LeaseStore.finish_many``: one finish_many.lua call).
+For a task whose outcome nobody reads (its result not stored, and no callback,
+errback, chain, chord or group waiting on it: ``LeasedTask`` decides) the
+finish's answer changes nothing the worker does next: accepted or refused,
+nothing of the outcome leaves the worker. Such a finish is queued here, and:
+
+- on a threads pool of more than one thread, a thread of its own sends what
+  is queued after ``GATHER`` seconds, in one write (``LeaseStore.finish_many``:
+  one finish_many.lua call);
+- on the solo pool, the finishes ride in the write of the next acquire
+  (``ride``, ``LeaseStore.acquire_with_finishes``), which the worker waits for
+  before that task may run; what no acquire takes within ``GATHER`` seconds
+  goes out from the event loop, and before any other body starts
+  (``before_each_body``: a plain task, an ETA that came due) what is queued
+  goes first.
 
 Unchanged: each finish carries its owner and token and is refused as a waited
 one is (logged, ``stale_outcome_rejected``); one that gets no answer is sent
@@ -16,17 +23,18 @@ again with backoff until a copy has gone out after its not-after moment
 so recovery runs the task again once its lease expires. A worker that dies
 before its finishes land leaves their leases to expire and their tasks to run
 again, as a death just after any body does. What differs: the record reads
-``active`` until the write lands (``GATHER`` and a round trip after the body
-ended), and a death in that window counts for the task as a death while it ran:
-on a pool whose tasks share their process every death is an uncertain one
+``active`` until the write lands (up to ``GATHER`` and a round trip after the
+body ended), and a death in that window counts for the task as a death while it
+ran. On a pool whose tasks share their process every death is an uncertain one
 (isolation.py), so a task there is charged nothing it would not be charged
-while running. An isolated run starts only once nothing is queued here
-(``flush``), so its death stays its own alone.
+while running; an isolated run starts only once nothing is queued here
+(``flush``), so its death stays its own alone. On the solo pool a death is
+charged to the task that ran, and no body starts while a finish queued before
+it is on its way, so the next task's death is never charged to the one before.
 
-Only there: on a pool of one task per process (prefork, solo, a threads pool of
-one) a death is charged to the task that ran, and a finish still on its way
-when the next task killed the process would charge that death to the task
-before it. Those pools, and the green pools, keep waited finishes.
+Prefork keeps waited finishes: its finishes are made in the pool processes,
+which make no other call a finish could ride with before their next body.
+Neither do a threads pool of one or the green pools.
 ``leases_background_finishes = False`` turns this off.
 """
 from __future__ import annotations
@@ -36,13 +44,14 @@ import math
 import os
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ..exceptions import LeaseError, LeaseLost, LeaseUnavailable
 from ..outage import Outage
 from ..protocol.clock import server_clock
 from ..protocol.settle import FIRST_DELAY, MAX_DELAY
 from ..protocol.store import FinishRequest, LeaseStore
+from .isolation import shares_process
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -53,9 +62,39 @@ GATHER = 0.002
 #: Seconds ``stop`` waits for the last write at shutdown before it gives the rest up.
 STOP_TIMEOUT = 5.0
 
-#: The pools whose finishes may go out in the background (with more than one task at a
+#: The pools whose finishes may go out from a thread (with more than one task at a
 #: time in the process: isolation.shares_process).
 POOLS = frozenset({"celery.concurrency.thread"})
+#: The pool whose finishes ride with its next acquire (with an event loop: loop.py).
+SOLO = "celery.concurrency.solo"
+
+
+def for_pool(store: LeaseStore, pool: Any, loop: Any = None) -> "BackgroundFinishes | None":
+    """The finishes nobody waits for of a worker with ``pool`` (``loop``: its LoopWatch, if
+    it has an event loop), or None where every finish stays waited for."""
+    module = type(pool).__module__
+    if module in POOLS and shares_process(pool):
+        return BackgroundFinishes(store)
+    if module == SOLO and loop is not None and loop.runs_bodies:
+        return BackgroundFinishes(store, hub=loop.hub)
+    return None
+
+
+def before_each_body(pool: Any, finishes: "BackgroundFinishes") -> None:
+    """On the solo pool, no body (leased or plain, an ETA's too) starts while a finish queued
+    before it is on its way: what the acquire did not carry goes out first. The pool's
+    ``on_apply`` is where every job starts (Celery's BasePool.apply_async calls it)."""
+    apply = pool.on_apply
+
+    def on_apply(*args: Any, **kwargs: Any) -> Any:
+        if finishes.queued:
+            try:
+                finishes.flush()
+            except Exception:  # noqa: BLE001 - a bug: its finishes were withheld (reported)
+                logger.exception("background finishes: the flush before a body failed unexpectedly")
+        return apply(*args, **kwargs)
+
+    pool.on_apply = on_apply
 
 
 class Pending:
@@ -75,8 +114,13 @@ class BackgroundFinishes:
     """The queue of finishes nobody waits for, and the thread that sends them."""
 
     def __init__(self, store: LeaseStore, *, gather: float = GATHER,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hub: Any = None) -> None:
         self.store, self.gather, self.clock = store, gather, clock
+        #: The solo pool's event loop: no thread; the finishes ride with the next acquire
+        #: (``ride``), or go out from the loop ``gather`` seconds after the first was queued.
+        self.hub = hub
+        self._started = False
+        self._armed = False
         self.server = server_clock(store)
         self.pid = os.getpid()
         self._queue: list[Pending] = []
@@ -84,8 +128,8 @@ class BackgroundFinishes:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Finishes sent and accepted, refused, withheld; writes made.
-        self.accepted = self.refusals = self.withheld = self.writes = 0
+        #: Finishes sent and accepted, refused, withheld; writes made; finishes an acquire carried.
+        self.accepted = self.refusals = self.withheld = self.writes = self.carried = 0
         self.outage = Outage(logger, "background finishes")
 
     # -- the tasks' side ------------------------------------------------------
@@ -97,7 +141,7 @@ class BackgroundFinishes:
         running, or no reading of the server's clock to bound its copies with. ``bound``:
         seconds its copies may apply (the lease's ttl, as a waited finish's); ``report``:
         called with the reason if it is refused or withheld."""
-        if self._thread is None or self._stop.is_set() or os.getpid() != self.pid \
+        if not self._started or self._stop.is_set() or os.getpid() != self.pid \
                 or not self.server.fresh():
             return False
         not_after = self.server.upper_ms(self.clock()) + math.ceil(bound * 1000)
@@ -107,7 +151,10 @@ class BackgroundFinishes:
             self._queue.append(pending)
             first = len(self._queue) == 1
         if first:
-            self._wake.set()
+            if self.hub is not None:
+                self._arm(self.gather)
+            else:
+                self._wake.set()
         return True
 
     @property
@@ -121,29 +168,62 @@ class BackgroundFinishes:
         if self._queue and os.getpid() == self.pid:
             self._send_due(True)
 
-    # -- the thread -----------------------------------------------------------
+    def ride(self, send: Callable[[list[FinishRequest]], tuple[Any, Any]]) -> Any:
+        """The solo pool's acquire, with the queued finishes due now in its write:
+        ``send(finishes)`` makes the call and gives the acquire's answer and the
+        finishes' (each a value, ``LeaseStore.acquire_with_finishes``). Returns the
+        Acquisition or raises the acquire's LeaseError; the finishes are settled as
+        a write of their own would settle them. They land before the acquired task's
+        body can start, so its death is never charged to a task before it."""
+        batch = self._take(False)
+        if batch:
+            self.writes += 1
+            self.carried += len(batch)
+        sent_at = self.clock()
+        try:
+            acquired, answers = send([p.req for p in batch])
+        except Exception as exc:
+            if batch:  # a bug: these finishes are not left unreported
+                self._withhold(batch, f"not sent: unexpected error {exc!r}")
+            raise
+        if batch:
+            self._settle(batch, answers, sent_at)
+        if isinstance(acquired, BaseException):
+            raise acquired
+        return acquired
+
+    # -- the thread, or the solo pool's loop ---------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="celery-leases-finishes", daemon=True)
-        self._thread.start()
+        self._started = True
+        if self.hub is None:
+            self._thread = threading.Thread(target=self._run, name="celery-leases-finishes", daemon=True)
+            self._thread.start()
 
     @property
     def running(self) -> bool | None:
-        """None before ``start()``; then whether the thread still runs (health.py)."""
+        """None before ``start()`` or without a thread; else whether the thread still runs
+        (health.py)."""
         return None if self._thread is None else self._thread.is_alive()
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """No more queueing; the thread sends what is queued, for up to ``timeout`` seconds,
-        then stops; what is still unsent is withheld (logged), and recovery runs those
-        tasks again once their leases expire."""
+        """No more queueing; the thread (or, on the solo pool, the caller) sends what is
+        queued, for up to ``timeout`` seconds, then stops; what is still unsent is
+        withheld (logged), and recovery runs those tasks again once their leases expire."""
         self._stop.set()
         self._wake.set()
+        if self.hub is not None and self._started and os.getpid() == self.pid:
+            self._guarded(self._send_due, True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         with self._lock:
             left, self._queue = self._queue, []
         if left:
             self._withhold(left, "the worker stopped before the store answered it")
+        if self._started:
+            logger.info("background finishes: %d accepted, %d refused, %d withheld, in %d write(s); "
+                        "%d rode with an acquire", self.accepted, self.refusals, self.withheld,
+                        self.writes, self.carried)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -155,6 +235,22 @@ class BackgroundFinishes:
             self._wake.clear()
             self._guarded(self._send_due, False)
         self._guarded(self._send_due, True)
+
+    def _arm(self, delay: float) -> None:
+        """On the solo pool's loop: send what is due after ``delay`` seconds (what the next
+        acquire has not taken by then), once."""
+        if not self._armed:
+            self._armed = True
+            self.hub.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._armed = False
+        if self._stop.is_set():
+            return
+        self._guarded(self._send_due, False)
+        wait = self._next_wait()
+        if wait is not None:
+            self._arm(max(wait, self.gather))
 
     def _next_wait(self) -> float | None:
         """Seconds until the first finish waiting for its next copy is due; None: none queued
@@ -172,37 +268,49 @@ class BackgroundFinishes:
             logger.exception("background finishes: %s failed unexpectedly; retrying", fn.__name__)
             self._stop.wait(FIRST_DELAY)
 
-    def _send_due(self, stopping: bool) -> None:
-        """Send every queued finish whose copy is due, in one write. At a stop, everything
-        queued goes once more, due or not."""
+    def _take(self, stopping: bool) -> list[Pending]:
+        """The queued finishes whose copy is due (at a stop: all of them), out of the queue."""
         now = self.clock()
         with self._lock:
             batch = [p for p in self._queue if stopping or p.retry_at <= now]
-            if not batch:
-                return
-            self._queue = [p for p in self._queue if not (stopping or p.retry_at <= now)]
+            if batch:
+                self._queue = [p for p in self._queue if not (stopping or p.retry_at <= now)]
+        return batch
+
+    def _send_due(self, stopping: bool) -> None:
+        """Send every queued finish whose copy is due, in one write. At a stop, everything
+        queued goes once more, due or not."""
+        batch = self._take(stopping)
+        if not batch:
+            return
         self.writes += 1
         sent_at = self.clock()
         try:
-            answers = self.store.finish_many([p.req for p in batch])
-        except LeaseUnavailable as exc:
-            self.outage.failed(exc, f"{len(batch)} finish(es) not answered")
-            self._again(batch, sent_at, exc)
-            return
+            answers: Any = self.store.finish_many([p.req for p in batch])
         except LeaseError as exc:
+            answers = exc
+        except Exception as exc:
+            # A bug: these finishes are not left unreported (their leases expire and
+            # recovery runs the tasks again); the traceback is logged by _guarded.
+            self._withhold(batch, f"not sent: unexpected error {exc!r}")
+            raise
+        self._settle(batch, answers, sent_at)
+
+    def _settle(self, batch: list[Pending], answers: Any, sent_at: float) -> None:
+        """What a write of ``batch`` answered: each finish's answer, or the LeaseError of all."""
+        if isinstance(answers, LeaseUnavailable):
+            self.outage.failed(answers, f"{len(batch)} finish(es) not answered")
+            self._again(batch, sent_at, answers)
+            return
+        if isinstance(answers, LeaseError):
             # One finish the server refuses to run (an error reply) fails the whole
             # pipelined batch: each goes alone, so that one fails by itself.
             if len(batch) > 1:
                 for p in batch:
                     self._send_alone(p)
             else:
-                self._answered(batch[0], exc)
+                self._answered(batch[0], answers)
             return
-        except Exception as exc:
-            # A bug: these finishes are not left unreported (their leases expire and
-            # recovery runs the tasks again); the traceback is logged by _guarded.
-            self._withhold(batch, f"not sent: unexpected error {exc!r}")
-            raise
         self.outage.succeeded(f"{len(batch)} finish(es) answered")
         for p, answer in zip(batch, answers):
             self._answered(p, answer)
@@ -241,6 +349,8 @@ class BackgroundFinishes:
                 p.delay = min(p.delay * 2, MAX_DELAY)
         with self._lock:
             self._queue.extend(p for p in batch if sent_at < p.final)
+        if self.hub is not None and len(over) < len(batch):
+            self._arm(max(self._next_wait() or 0.0, self.gather))
         if over:
             self._withhold(over, f"unconfirmed, store unreachable; no copy can apply any more: {exc}")
 

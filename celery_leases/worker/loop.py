@@ -40,6 +40,7 @@ class LoopWatch:
         #: True where task bodies run in the loop's own thread (solo): the loop is then
         #: busy, not wedged, while a body runs.
         self.runs_bodies = runs_bodies
+        self.hub = hub
         self.seen = monotonic()
         hub.on_tick.add(self.ticked)
 

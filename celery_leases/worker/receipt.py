@@ -40,8 +40,9 @@ from ..publishing.publish_id import PUBLISH_HEADER, RECORDED_HEADER, recorded_he
 from ..recovery.recoverer import Recoverer
 from ..signals import delivery_refused, lease_acquired
 from ..protocol.records import Acquisition
-from ..protocol.store import LeaseStore
+from ..protocol.store import AcquireRequest, LeaseStore
 from .acquirer import Acquirer, Job
+from .background import BackgroundFinishes
 from .delivery import (DUE_HEADER, REQUEUES_HEADER, DeliveryWindow, Throttled, describe,
                        lease_delivery, local_eta, validate_message)
 from .heartbeat import Heartbeat, Held
@@ -106,6 +107,8 @@ class Receipt:
             if hub is not None and Acquirer.supported(store) else None
         if self.acquirer is not None:
             hub.on_tick.add(self.acquirer.tick)
+        #: The solo pool's finishes nobody waits for, which ride with its acquires (service.py).
+        self.finishes: BackgroundFinishes | None = None
         #: Deliveries admitted per task id per minute (in memory: holds when Redis is down).
         self.window = DeliveryWindow(config.deliveries_per_minute)
         #: What happens to a delivery that does not run now: parked, re-queued, refused.
@@ -163,7 +166,7 @@ class Receipt:
                     return
                 self.window.admit(request.id)
             config = self.task_config(request.task)
-            acq = self.store.acquire(**acquire_call(request, config, self.owner, self.isolation is not None))
+            acq = self._acquire_now(acquire_call(request, config, self.owner, self.isolation is not None))
             self._settle(request, config, acq)
         except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
             self._acquire_failed(request, exc, due=True)
@@ -193,11 +196,20 @@ class Receipt:
                 self.acquirer.submit(Job(call, self._acquired, request,
                                          {"config": config, "epoch": self._epoch}))
                 return
-            acq = self.store.acquire(**call)
+            acq = self._acquire_now(call)
             self._settle(request, config, acq)
         except Exception as exc:  # noqa: BLE001 - fail closed: classified, never run unleased
             lease_delivery(request).inflight = False
             self._acquire_failed(request, exc, due=False)
+
+    def _acquire_now(self, call: dict) -> Acquisition:
+        """The acquire, waited for here; on the solo pool the finishes queued since the last
+        body ride in its write (background.py), so they land before this task can start."""
+        finishes = self.finishes
+        if finishes is None or not finishes.queued:
+            return self.store.acquire(**call)
+        req = AcquireRequest(**call)
+        return finishes.ride(lambda reqs: self.store.acquire_with_finishes(req, reqs))
 
     def _translate_due(self, request: Any) -> None:
         """A copy re-queued by a worker (``lease_due_ms``): its ETA on this worker's wall clock.

@@ -6,7 +6,8 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 
 - receipt.py: acquire when the worker receives the message (main process);
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
-- background.py: on threads, send the finishes nobody waits for from a thread;
+- background.py: the finishes nobody waits for: sent from a thread on threads, riding
+  with the next acquire on solo;
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
 - recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
@@ -32,9 +33,9 @@ from ..config import LeaseConfig
 from ..exceptions import LeaseError
 from ..runtime import get_store
 from ..protocol.scripts import scripts
-from .background import POOLS as BACKGROUND_POOLS, BackgroundFinishes
+from .background import before_each_body, for_pool
 from .heartbeat import Heartbeat
-from .isolation import Isolation, shares_process
+from .isolation import Isolation
 from .lost import LostLeases
 from .receipt import Receipt
 from .revokes import Revoker
@@ -68,9 +69,11 @@ class LeaseWorker:
                                quick_release=quick_release, prefork=prefork, isolation=isolation)
         self.revokes = Revoker(app, config, self.store, self.owner, self.heartbeat)
         self.dropped = DroppedRequests(lambda: [h.request for _, h in self.heartbeat.held.snapshot()])
-        #: Where tasks share this process's threads: their unread successes' finishes (background.py).
-        self.finishes = BackgroundFinishes(self.store) if config.background_finishes \
-            and type(pool).__module__ in BACKGROUND_POOLS and shares_process(pool) else None
+        #: Unread successes' finishes nobody waits for (background.py): sent by a thread where
+        #: tasks share this process's threads; on the solo pool, riding with the next acquire.
+        self.finishes = for_pool(self.store, pool, loop) if config.background_finishes else None
+        if self.finishes is not None and self.finishes.hub is not None:
+            self.receipt.finishes = self.finishes
 
     # -- lifecycle --------------------------------------------------------
 
@@ -90,6 +93,8 @@ class LeaseWorker:
         self.revokes.gate()
         if self.finishes is not None:
             self.finishes.start()
+            if self.finishes.hub is not None:
+                before_each_body(self.pool, self.finishes)
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)
 

@@ -89,7 +89,9 @@ def test_an_error_of_one_finish_is_its_own_and_the_batch_is_safe_to_send_again(s
 
     # When the three go in one call: it raises for the batch, naming the error
     with pytest.raises(LeaseError, match="finish_many.*task b.*unknown outcome vanished"):
-        renewals._finish_many(store, reqs, *finish_many_call(calls), "3 finishes")
+        keys, args = finish_many_call(calls)
+        renewals._many_replies(store, reqs, store.calls.run(scripts.finish_many, keys, args, "3 finishes"),
+                               "3 finishes")
 
     # Then its neighbours were applied all the same, and it changed nothing
     assert state(store, "a") == "succeeded" and state(store, "c") == "succeeded"

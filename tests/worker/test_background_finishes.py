@@ -12,6 +12,7 @@ landed); on a pool of one task per process (solo, a threads pool of one), and wi
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -22,9 +23,10 @@ import redis
 
 import celery_leases
 from celery_leases import LeaseStore
-from celery_leases.exceptions import LeaseError, LeaseLost
+from celery_leases.exceptions import LeaseError, LeaseLost, LeaseUnavailable
+from celery_leases.protocol.transitions import AcquireRequest, FinishRequest
 from celery_leases.testing import wait_for
-from celery_leases.worker.background import BackgroundFinishes
+from celery_leases.worker.background import BackgroundFinishes, before_each_body
 
 pytestmark = pytest.mark.slow
 
@@ -199,6 +201,130 @@ def test_only_the_process_that_started_it_queues(store, finishes):
     assert not unstarted.add(task_id, OWNER, token, "succeeded", 30, reports(task_id))
 
 
+# -- the solo pool: the finishes ride with the next acquire ---------------------------
+
+
+class Loop:
+    """The solo pool's event loop as BackgroundFinishes uses it (``call_later``); the test
+    runs the timers that are due."""
+
+    def __init__(self) -> None:
+        self.timers: list = []
+
+    def call_later(self, delay: float, fn) -> None:
+        self.timers.append((time.monotonic() + delay, fn))
+
+    def run_due(self) -> int:
+        now = time.monotonic()
+        due = [t for t in self.timers if t[0] <= now]
+        self.timers = [t for t in self.timers if t[0] > now]
+        for _, fn in due:
+            fn()
+        return len(due)
+
+
+@pytest.fixture
+def riding(store):
+    made = []
+
+    def make(**kwargs) -> tuple[BackgroundFinishes, Loop]:
+        loop = Loop()
+        sender = BackgroundFinishes(store, hub=loop, **kwargs)
+        sender.start()
+        made.append(sender)
+        return sender, loop
+
+    yield make
+    for sender in made:
+        sender.stop(timeout=2)
+
+
+def acquire_riding(store: LeaseStore, sender: BackgroundFinishes, task_id: str):
+    req = AcquireRequest(task_id, OWNER, name="t")
+    return sender.ride(lambda reqs: store.acquire_with_finishes(req, reqs))
+
+
+def test_on_solo_the_queued_finishes_ride_with_the_next_acquire(store, riding):
+    (sender, loop), reports = riding(), Reports()
+    leases = acquired(store, 3)
+    queue_all(sender, leases, reports)
+    assert len(loop.timers) == 1  # armed once, for what no acquire takes
+    store.finish_many([FinishRequest("warm", OWNER, 0, "succeeded")] * 2)  # (the script cached)
+    before = store.calls.direct.writes
+
+    acq = acquire_riding(store, sender, "next")
+
+    assert acq.owned and store.calls.direct.writes - before == 1  # one round trip for all four
+    assert sender.accepted == 3 and sender.queued == 0 and reports.by_task == {}
+    assert {store.get(t).state for t in leases} == {"succeeded"}
+    loop.run_due()  # (the timer finds nothing left)
+    assert sender.writes == 1
+
+
+def test_on_solo_what_no_acquire_takes_goes_out_from_the_loop(store, riding):
+    (sender, loop), reports = riding(gather=0.01), Reports()
+    leases = acquired(store, 2)
+    queue_all(sender, leases, reports)
+    time.sleep(0.02)
+    assert loop.run_due() == 1
+    assert sender.accepted == 2 and {store.get(t).state for t in leases} == {"succeeded"}
+
+
+def test_on_solo_a_refused_finish_is_reported_and_the_acquire_stands(store, riding):
+    (sender, _), reports = riding(), Reports()
+    leases = acquired(store, 2)
+    stale = next(iter(leases))
+    queue_all(sender, {**leases, stale: leases[stale] + 100}, reports)
+    acq = acquire_riding(store, sender, "next")
+    assert acq.owned and sender.accepted == 1 and isinstance(reports.by_task[stale], LeaseLost)
+    assert store.get(stale).state == "active"
+
+
+def test_on_solo_an_outage_fails_the_acquire_and_the_loop_sends_the_finishes_again(store, riding, server):
+    (sender, loop), reports = riding(gather=0.01), Reports()
+    leases = acquired(store, 2)
+    queue_all(sender, leases, reports)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LeaseUnavailable):
+            acquire_riding(store, sender, "next")
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    # The acquire is the receipt's to retry; the finishes wait for their backoff, then the loop
+    assert sender.queued == 2 and sender.accepted == 0 and len(loop.timers) == 1  # (armed at the queueing)
+    wait_for(lambda: loop.run_due() and sender.accepted == 2, 10, "the finishes sent again")
+    assert {store.get(t).state for t in leases} == {"succeeded"} and reports.by_task == {}
+
+
+def test_on_solo_stop_sends_what_is_queued(store, riding):
+    (sender, _), reports = riding(gather=5.0), Reports()
+    leases = acquired(store, 3)
+    queue_all(sender, leases, reports)
+    sender.stop()
+    assert sender.accepted == 3 and {store.get(t).state for t in leases} == {"succeeded"}
+    task_id, token = next(iter(acquired(store, 1).items()))
+    assert not sender.add(task_id, OWNER, token, "succeeded", 30, reports(task_id))
+
+
+def test_on_solo_no_body_starts_while_a_finish_before_it_is_on_its_way(store, riding):
+    """A plain task's body, or an ETA that came due, starts without an acquire: what is queued
+    goes out before it (``before_each_body``, on the pool's ``on_apply``)."""
+    (sender, _), reports = riding(gather=5.0), Reports()
+    seen = []
+
+    class Pool:
+        def on_apply(self, target, *args, **kwargs):
+            seen.append({store.get(t).state for t in leases})
+            return target()
+
+    pool = Pool()
+    before_each_body(pool, sender)
+    leases = acquired(store, 2)
+    queue_all(sender, leases, reports)
+    assert pool.on_apply(lambda: "ran") == "ran"
+    assert seen == [{"succeeded"}] and sender.queued == 0
+
+
 # -- real workers ---------------------------------------------------------------
 
 
@@ -215,13 +341,24 @@ def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, h
              "40 unread successes finished")
     assert [len(runs(history, r.id)) for r in results] == [1] * 40
     assert "refused" not in worker.log()
+    worker.stop()
+    match = re.search(r"background finishes: (\d+) accepted, 0 refused, 0 withheld, in (\d+) write\(s\); "
+                      r"(\d+) rode with an acquire", worker.log())
+    assert match, worker.log_tail()
+    accepted, writes, carried = map(int, match.groups())
+    assert accepted == 40
+    if pool == "solo":  # one finish a write, most riding with the next task's acquire
+        assert carried >= 20, (writes, carried)
+    else:  # several finishes a write
+        assert writes < 40 and carried == 0
 
 
 @pytest.mark.parametrize("pool, concurrency, background, runs_expected", [
     ("threads", 2, "1", 2),   # the finish was on its way: the task runs again
     ("threads", 2, "0", 1),   # leases_background_finishes = False: the finish was waited for
-    ("solo", 1, "1", 1),      # one task per process: waited, so a death is never the next task's
-    ("threads", 1, "1", 1),
+    ("solo", 1, "1", 2),      # queued to ride with the next acquire: the task runs again
+    ("solo", 1, "0", 1),
+    ("threads", 1, "1", 1),   # a threads pool of one: waited
 ])
 def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker, history, pool,
                                                       concurrency, background, runs_expected):
@@ -240,3 +377,24 @@ def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker,
     starts = runs(history, result.id)
     assert len(starts) == runs_expected, starts
     assert store.get(result.id).token == int(starts[-1][3]["token"])
+
+
+@pytest.mark.parametrize("pill", ["kill_own_child", "plain_kill_once"])
+def test_on_solo_a_pill_after_an_unread_success_charges_it_nothing(client_app, start_worker, history, pill):
+    """The innocent's finish rode with the pill's acquire (a leased pill) or went out before
+    its body (a plain one): when the pill kills the worker, the innocent has already ended
+    succeeded, charged nothing, and it never runs again."""
+    store = celery_leases.store(client_app)
+    start_worker("a", pool="solo", concurrency=1)
+    innocent = client_app.signature(f"{TASKS}.add_ignored", (1, 2)).delay()
+    wait_for(lambda: runs(history, innocent.id), 30, "the innocent ran")
+    pill_result = client_app.signature(f"{TASKS}.{pill}").delay()
+    wait_for(lambda: len(runs(history, pill_result.id)) == 1, 30, "the pill ran")
+    time.sleep(0.5)  # (the worker is dead: nothing more lands)
+    record = store.get(innocent.id)
+    assert record.state == "succeeded" and record.recoveries == 0
+    start_worker("b", pool="solo", concurrency=1, LEASES_TEST_WORKER_RECOVERY="1")
+    if pill == "kill_own_child":
+        wait_for(lambda: store.get(pill_result.id).state == "succeeded", 30, "the pill's second run")
+    time.sleep(3)  # (a ttl and a recovery interval: nothing runs the innocent again)
+    assert len(runs(history, innocent.id)) == 1

@@ -186,8 +186,13 @@ class DirectCaller:
         """Each (keys, args) call's reply, all in one write; an error reply is returned as
         redis-py's exception for it (as a pipeline's ``raise_on_error=False``), and an error
         of the connection, which leaves the calls without replies, is raised."""
+        return self.send([pack("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls])
+
+    def send(self, commands: Sequence[bytes]) -> list:
+        """Each packed command's reply, all in one write; an error reply is returned as
+        redis-py's exception for it, and an error of the connection is raised."""
         out = []
-        for call in self._submit([pack("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]):
+        for call in self._submit(list(commands)):
             if call.error is not None and not isinstance(call.error, ResponseError):
                 raise call.error
             out.append(call.error if call.error is not None else call.reply)

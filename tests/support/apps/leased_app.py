@@ -247,6 +247,14 @@ def create_app(env: Mapping[str, str]) -> Celery:
         record("end", self.request.id, token=self.lease.token, first=first, second=second)
         return [first, second]
 
+    @app.task(bind=True, shared=False)
+    def plain_kill_once(self):
+        """A plain (unleased) poison pill: kills its own process the first time it runs."""
+        record("start", self.request.id)
+        if sink.incr(f"{prefix}:killed:{self.request.id}") == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "survived"
+
     @app.task(base=LeasedTask, shared=False)
     def add_unbound(x, y):
         return x + y
