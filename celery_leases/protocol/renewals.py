@@ -21,7 +21,8 @@ from .records import Acquisition, raise_if_corrupt
 from .scripts import scripts
 from .transitions import AcquireRequest, FinishRequest, acquire_call, finish_call, finish_many_call
 
-__all__ = ["renew_many", "release", "mark_started", "finish_many", "acquire_with_finishes"]
+__all__ = ["renew_many", "release", "mark_started", "finish_many", "acquire_with_finishes", "finishes_call",
+           "finishes_reply"]
 
 logger = logging.getLogger("celery_leases.store")
 
@@ -174,12 +175,24 @@ def acquire_with_finishes(core: StoreCore, req: AcquireRequest, finishes: Sequen
     except LeaseError as exc:
         acq = exc
     try:
-        raw_finish = core.calls.reply(one[0], one[1], one[2], raw_finish, what)
-        answers = _answers(finishes, [raw_finish] if len(finishes) == 1 else
-                           _many_replies(core, finishes, raw_finish, what))
+        answers = finishes_reply(core, finishes, one, raw_finish, what)
     except LeaseError as exc:
         answers = exc
     return acq, answers
+
+
+def finishes_call(core: StoreCore, reqs: Sequence[FinishRequest]) -> tuple[Any, list, list] | None:
+    """The one script call that finishes ``reqs`` on a single server, for a caller that
+    sends it in a write of its own (the worker's acquirer); None where it cannot be one call."""
+    return one_finish_call(core, reqs, _finish_calls(reqs, core))
+
+
+def finishes_reply(core: StoreCore, reqs: Sequence[FinishRequest], one: tuple[Any, list, list],
+                   raw: Any, what: str) -> list[LeaseError | None]:
+    """The answers, as ``finish_many``'s, in ``raw``: the reply read for ``one``
+    (``finishes_call``). NOSCRIPT runs the call again here; an error of the whole call raises."""
+    raw = core.calls.reply(one[0], one[1], one[2], raw, what)
+    return _answers(reqs, [raw] if len(reqs) == 1 else _many_replies(core, reqs, raw, what))
 
 
 def one_finish_call(core: StoreCore, reqs: Sequence[FinishRequest],

@@ -39,7 +39,8 @@ logger = logging.getLogger("celery_leases.task")
 # (Celery 5.7's push_request copies the request's __dict__ into a new Context,
 # whose custom headers are every key Context does not declare).
 for _name in ("lease_token", "lease_owner", "lease_generation", "lease_skip", "lease_unavailable",
-              "_lease_handle", "lease_expires_at", "lease_publish", "lease_recorded", "lease_isolate"):
+              "_lease_handle", "lease_expires_at", "lease_publish", "lease_recorded", "lease_isolate",
+              "lease_parent_finish"):
     if not hasattr(Context, _name):
         setattr(Context, _name, None)
 
@@ -277,7 +278,10 @@ class LeasedTask(Task):
         """
         store = lease.store
         ttl = self.lease_ttl or get_config(self.app).ttl
-        if outcome == "succeeded" and write is None and kept is None and self._in_background(lease, ttl):
+        if outcome == "succeeded" and write is None and kept is None and (
+                self.request.lease_parent_finish or self._in_background(lease, ttl)):
+            # Prefork's main process finishes it once the pool reports the success
+            # (task/request.py); elsewhere it is queued (worker/background.py).
             return
         confirmed = confirmations()
         written = confirmed.take(store, lease.task_id) if outcome != "retry" else []

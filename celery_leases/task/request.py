@@ -24,6 +24,7 @@ from ..worker.delivery import lease_delivery
 from ..runtime import decided
 from ..runtime import get_worker
 from ..protocol.settle import settle_finish
+from .results import finished_by_main_process
 from ..signals import stale_outcome_rejected
 
 logger = logging.getLogger("celery_leases.worker")
@@ -46,6 +47,7 @@ class LeasedRequest(Request):
         if generated is not None:
             def on_success(self, failed__retval__runtime, _generated=generated, **kw):
                 try:
+                    self._lease_succeeded(failed__retval__runtime)
                     return _generated(self, failed__retval__runtime, **kw)
                 finally:
                     self._lease_done()
@@ -95,6 +97,10 @@ class LeasedRequest(Request):
             task_ready(self)
             self.acknowledge()
             raise TaskRevokedError(f"task {self.id!r}: no lease was acquired at receipt")
+        if worker is not None and worker.receipt.finish_in_parent and self.lease_token is not None \
+                and finished_by_main_process(self.task, self._request_dict):
+            # Prefork: its pool process leaves a success to this process (_lease_succeeded).
+            self._request_dict["lease_parent_finish"] = 1
 
     def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
         if self._lease_defer(pool, kwargs):
@@ -114,6 +120,30 @@ class LeasedRequest(Request):
         token = self.lease_token
         if worker is not None and token is not None:
             worker.forget(self.id, token)
+
+    def _lease_succeeded(self, failed__retval__runtime: Any) -> None:
+        """Prefork: a success the pool process left for this process to finish
+        (``lease_parent_finish``, decided at receipt: worker/receipt.py) is queued for the
+        acquirer's next write (worker/background.py); this process outlives the pool
+        process, so the finish lands whatever that process's next task does."""
+        if failed__retval__runtime[0] or not self._request_dict.get("lease_parent_finish"):
+            return
+        worker, token = get_worker(self._app), self.lease_token
+        if worker is None or token is None:
+            return
+        owner, finishes = self._request_dict["lease_owner"], worker.finishes
+        task, task_id = self.task, self.id
+
+        def report(exc: Any) -> None:
+            reason = getattr(exc, "reason", str(exc))
+            logger.warning("task %s[%s]: succeeded outcome of token %s refused: lease %s",
+                           task.name, task_id, token, reason)
+            stale_outcome_rejected.send(sender=task, task_id=task_id, token=token,
+                                        outcome="succeeded", reason=reason)
+
+        if finishes is None or not finishes.add(task_id, owner, token, "succeeded",
+                                                worker.task_config(task).ttl, report):
+            self._lease_finish("succeeded", token)
 
     def _lease_finish(self, outcome: str, token: int | None) -> bool:
         """Record a main-process outcome; False when it must not be written.
@@ -176,6 +206,7 @@ class LeasedRequest(Request):
 
     def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
         try:
+            self._lease_succeeded(failed__retval__runtime)
             return super().on_success(failed__retval__runtime, **kwargs)
         finally:
             self._lease_done()

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from celery import states
+from celery.app.task import Context, Task
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.signals import worker_process_shutdown, worker_shutdown
@@ -120,6 +121,14 @@ def outcome_unread(task: Any, request: Any) -> bool:
         return False
     # (The flags first: task.backend is a lookup through the app.)
     return get_actual_ignore_result(task, request) or isinstance(task.backend, DisabledBackend)
+
+
+def finished_by_main_process(task: Any, request_dict: dict) -> bool:
+    """Prefork: the worker's main process finishes this task's success when the pool reports
+    it (task/request.py), and the pool process does not (``lease_parent_finish``): nobody
+    reads the success, and no success handler of the task's own could still turn it into
+    a failure after the body returned."""
+    return type(task).on_success is Task.on_success and outcome_unread(task, Context(request_dict))
 
 
 def _stores_results(task: Any, request: Any, failure: bool) -> bool:

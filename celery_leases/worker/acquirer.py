@@ -34,10 +34,11 @@ from typing import Any, Callable
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ..exceptions import LeaseError, LeaseUnavailable
+from ..protocol import renewals
 from ..protocol.codes import Code
 from ..protocol.transport.direct import close_connection, open_connection, supported
 from ..protocol.errors import lease_error
-from ..protocol.transport.resp import Incomplete, parse
+from ..protocol.transport.resp import Incomplete, pack, parse
 from .delivery import MalformedMessage
 
 logger = logging.getLogger("celery_leases.worker")
@@ -60,10 +61,15 @@ class Job:
 
 @dataclass
 class Batch:
-    """The jobs of one acquire_many call, and the start marks that rode along."""
+    """The jobs of one acquire_many call, the start marks that rode along, and the
+    finishes whose call went first in the same write (their reply comes first)."""
 
     jobs: list[Job]
     starts: dict[str, int]
+    #: The finishes (background.py's Pending) and their call, until its reply is read.
+    finishing: list | None = None
+    finish_call: Any = None
+    sent_at: float = 0.0
 
 
 class Acquirer:
@@ -93,6 +99,8 @@ class Acquirer:
         self._held: list[Job] = []
         #: Acquires sent, and the calls (one write each) that sent them.
         self.sent = self.writes = 0
+        #: Prefork's finishes nobody waits for (background.py), which ride in these writes.
+        self.finishes: Any = None
 
     @classmethod
     def supported(cls, store: Any) -> bool:
@@ -133,8 +141,14 @@ class Acquirer:
         self._maybe_send()
 
     def _maybe_send(self) -> None:
-        """Send what is held, unless a reply is still to come or the pool can wait."""
-        if not self._held or self._sent:
+        """Send what is held, unless a reply is still to come or the pool can wait;
+        with nothing held, the finishes that have waited long enough for company."""
+        if self._sent:
+            return
+        if not self._held:
+            finishes = self.finishes
+            if finishes is not None and finishes.queued and finishes.due_alone():
+                self._send_held()
             return
         if self.busy is not None and self.busy() and monotonic() - self._held_since < self.max_hold:
             if self._timer is None:
@@ -155,19 +169,51 @@ class Acquirer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        starts = self.marks.take_due_starts() if self.marks is not None else {}
+        finishing, finish_call, command = self._finishes_command(bool(jobs))
+        starts = self.marks.take_due_starts() if self.marks is not None and jobs else {}
+        sent_at = monotonic()
         try:
             self._connection()
-            self._sock.sendall(self.store.acquire_many_command(
-                [job.parts for job in jobs], self.marks.owner if starts else "", starts))
+            if jobs:
+                command += self.store.acquire_many_command(
+                    [job.parts for job in jobs], self.marks.owner if starts else "", starts)
+            if command:
+                self._sock.sendall(command)
         except Exception as exc:  # noqa: BLE001 - every waiting job learns why; none is dropped
             self._give_back(starts)
+            if finishing:  # not answered: sent again with backoff, as after a reset
+                self.finishes.settle(finishing, LeaseUnavailable(
+                    f"acquire connection to {self.store.description}: {exc!r}"), sent_at)
             self._fail_all(exc)
             return
+        if not command:
+            return
         self._held = []
-        self._sent.append(Batch(jobs, starts))
+        self._sent.append(Batch(jobs, starts, finishing or None, finish_call, sent_at))
         self.sent += len(jobs)
         self.writes += 1
+
+    def _finishes_command(self, riding: bool) -> tuple[list, Any, bytes]:
+        """The queued finishes due now, their call and its command (first in the write)."""
+        finishes = self.finishes
+        if finishes is None or not finishes.queued:
+            return [], None, b""
+        finishing = finishes.take(riding)
+        if not finishing:
+            return [], None, b""
+        reqs = [p.req for p in finishing]
+        call = renewals.finishes_call(self.store, reqs)
+        if call is None:  # (not one call: a finish with its optional tail) sent on their own
+            finishes.settle(finishing, self._finish_alone(reqs), monotonic())
+            return [], None, b""
+        script, keys, args = call
+        return finishing, call, pack("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def _finish_alone(self, reqs: list) -> Any:
+        try:
+            return self.store.finish_many(reqs)
+        except LeaseError as exc:
+            return exc
 
     def _connection(self) -> Any:
         if self._conn is None:
@@ -204,6 +250,18 @@ class Acquirer:
                     if not self._sent:
                         raise OutOfStep(f"acquire connection to {self.store.description}: "
                                         f"reply without a request: {reply!r}")
+                    finishing = self._sent[0].finishing
+                    if finishing is not None:
+                        batch = self._sent[0]
+                        if not _is_finishes_reply(reply, len(finishing)):
+                            raise OutOfStep(f"acquire connection to {self.store.description}: "
+                                            f"reply {reply!r} is not the reply to "
+                                            f"{len(finishing)} finish(es)")
+                        pos = after
+                        self._finished(batch, reply)
+                        if not batch.jobs:
+                            self._sent.popleft()
+                        continue
                     if not _is_many_reply(reply, len(self._sent[0].jobs)):
                         # Not what acquire_many.lua answers: replies and calls are out
                         # of step, so no reply on this connection can be trusted.
@@ -237,6 +295,21 @@ class Acquirer:
         for job, result in zip(batch.jobs, results):
             self._call(job, result)
 
+    def _finished(self, batch: Batch, reply: Any) -> None:
+        """The finishes' reply of ``batch``: each finish's answer, or the error of them all."""
+        finishing, batch.finishing = batch.finishing, None
+        assert finishing is not None
+        what = f"{len(finishing)} finish(es) (acquire connection)"
+        try:
+            answers: Any = renewals.finishes_reply(self.store, [p.req for p in finishing],
+                                                   batch.finish_call, reply, what)
+        except LeaseError as exc:
+            answers = exc
+        try:
+            self.finishes.settle(finishing, answers, batch.sent_at)
+        except Exception:  # noqa: BLE001 - one settle's failure must not stop the replies
+            logger.exception("celery-leases: settling %d finish(es) failed", len(finishing))
+
     def _give_back(self, starts: dict[str, int]) -> None:
         """Start marks whose call failed go back to the heartbeat, which sends them."""
         if starts and self.marks is not None:
@@ -266,6 +339,9 @@ class Acquirer:
         jobs = [job for batch in self._sent for job in batch.jobs] + self._held
         for batch in self._sent:
             self._give_back(batch.starts)
+            if batch.finishing is not None:  # sent again with backoff (background.py)
+                finishing, batch.finishing = batch.finishing, None
+                self.finishes.settle(finishing, error, batch.sent_at)
         self._sent.clear()
         self._held = []
         for job in jobs:
@@ -318,6 +394,21 @@ def _is_many_reply(reply: Any, n: int) -> bool:
         return True
     return isinstance(reply, list) and len(reply) == n + 1 and type(reply[-1]) is int and \
         all(_is_acquire_reply(item) for item in reply[:n])
+
+
+def _is_finishes_reply(reply: Any, n: int) -> bool:
+    """True for what finish.lua (one finish) or finish_many.lua (``n``) can return: an error
+    of the whole call, a finish's {code, token, state} or {CORRUPT, ...}, or ``n`` of those."""
+    if isinstance(reply, Exception):
+        return True
+    if n == 1:
+        return _is_finish_reply(reply)
+    return isinstance(reply, list) and len(reply) == n and all(
+        isinstance(item, Exception) or _is_finish_reply(item) for item in reply)
+
+
+def _is_finish_reply(reply: Any) -> bool:
+    return isinstance(reply, list) and len(reply) in (3, 4) and type(reply[0]) is int
 
 
 def _is_acquire_reply(reply: Any) -> bool:

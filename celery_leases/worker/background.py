@@ -6,6 +6,12 @@ errback, chain, chord or group waiting on it: ``LeasedTask`` decides) the
 finish's answer changes nothing the worker does next: accepted or refused,
 nothing of the outcome leaves the worker. Such a finish is queued here, and:
 
+- on prefork, the pool process makes no finish: the worker's main process
+  queues it when the pool reports the success (task/request.py, for the
+  requests it marked ``lease_parent_finish`` before handing them over), and
+  its acquirer's next write carries it (worker/acquirer.py: the finishes'
+  call first, then the acquires), or, with no acquire to ride with, a write
+  of their own after ``GATHER`` seconds;
 - on a threads pool of more than one thread, a thread of its own sends what
   is queued after ``GATHER`` seconds, in one write (``LeaseStore.finish_many``:
   one finish_many.lua call);
@@ -25,16 +31,17 @@ before its finishes land leaves their leases to expire and their tasks to run
 again, as a death just after any body does. What differs: the record reads
 ``active`` until the write lands (up to ``GATHER`` and a round trip after the
 body ended), and a death in that window counts for the task as a death while it
-ran. On a pool whose tasks share their process every death is an uncertain one
-(isolation.py), so a task there is charged nothing it would not be charged
-while running; an isolated run starts only once nothing is queued here
-(``flush``), so its death stays its own alone. On the solo pool a death is
-charged to the task that ran, and no body starts while a finish queued before
-it is on its way, so the next task's death is never charged to the one before.
+ran (on prefork: a pool process that dies after the body, before it reported
+the success). On a pool whose tasks share their process every death is an
+uncertain one (isolation.py), so a task there is charged nothing it would not
+be charged while running; an isolated run starts only once nothing is queued
+here (``flush``), so its death stays its own alone. On prefork and solo a
+death is charged to the task that ran: prefork's finishes are sent by the main
+process, which the next task's death in a pool process does not stop, and on
+solo no body starts while a finish queued before it is on its way, so the next
+task's death is never charged to the one before.
 
-Prefork keeps waited finishes: its finishes are made in the pool processes,
-which make no other call a finish could ride with before their next body.
-Neither do a threads pool of one or the green pools.
+A threads pool of one and the green pools keep waited finishes.
 ``leases_background_finishes = False`` turns this off.
 """
 from __future__ import annotations
@@ -67,16 +74,24 @@ STOP_TIMEOUT = 5.0
 POOLS = frozenset({"celery.concurrency.thread"})
 #: The pool whose finishes ride with its next acquire (with an event loop: loop.py).
 SOLO = "celery.concurrency.solo"
+#: The pool whose main process finishes its children's unread successes, in the writes of
+#: its acquirer (worker/acquirer.py).
+PREFORK = "celery.concurrency.prefork"
 
 
-def for_pool(store: LeaseStore, pool: Any, loop: Any = None) -> "BackgroundFinishes | None":
+def for_pool(store: LeaseStore, pool: Any, loop: Any = None, acquirer: Any = None) -> "BackgroundFinishes | None":
     """The finishes nobody waits for of a worker with ``pool`` (``loop``: its LoopWatch, if
-    it has an event loop), or None where every finish stays waited for."""
+    it has an event loop; ``acquirer``: its acquires sent without waiting, if any), or None
+    where every finish stays waited for."""
     module = type(pool).__module__
     if module in POOLS and shares_process(pool):
         return BackgroundFinishes(store)
     if module == SOLO and loop is not None and loop.runs_bodies:
         return BackgroundFinishes(store, hub=loop.hub)
+    if module == PREFORK and acquirer is not None:
+        finishes = BackgroundFinishes(store, hub=acquirer.hub)
+        finishes.carrier = acquirer
+        return finishes
     return None
 
 
@@ -101,10 +116,13 @@ class Pending:
     """One queued finish: the request (with its not-after), when a copy settles it for good
     (monotonic), and what reports a refusal (logged and signalled as a waited one's)."""
 
-    __slots__ = ("req", "final", "report", "retry_at", "delay")
+    __slots__ = ("req", "final", "report", "retry_at", "delay", "since")
 
-    def __init__(self, req: FinishRequest, final: float, report: Callable[[LeaseError], None]) -> None:
+    def __init__(self, req: FinishRequest, final: float, report: Callable[[LeaseError], None],
+                 since: float = 0.0) -> None:
         self.req, self.final, self.report = req, final, report
+        #: Monotonic time it was queued.
+        self.since = since
         #: Monotonic time before which it is not sent again (after a write that got no answer).
         self.retry_at = 0.0
         self.delay = FIRST_DELAY
@@ -119,6 +137,9 @@ class BackgroundFinishes:
         #: The solo pool's event loop: no thread; the finishes ride with the next acquire
         #: (``ride``), or go out from the loop ``gather`` seconds after the first was queued.
         self.hub = hub
+        #: Prefork's acquirer (worker/acquirer.py), whose writes carry the finishes: the
+        #: timer then asks it to write (``tick``) instead of sending them here.
+        self.carrier: Any = None
         self._started = False
         self._armed = False
         self.server = server_clock(store)
@@ -146,7 +167,7 @@ class BackgroundFinishes:
             return False
         not_after = self.server.upper_ms(self.clock()) + math.ceil(bound * 1000)
         pending = Pending(FinishRequest(task_id, owner, token, outcome, not_after=not_after),
-                          self.server.past(not_after), report)
+                          self.server.past(not_after), report, self.clock())
         with self._lock:
             self._queue.append(pending)
             first = len(self._queue) == 1
@@ -247,7 +268,10 @@ class BackgroundFinishes:
         self._armed = False
         if self._stop.is_set():
             return
-        self._guarded(self._send_due, False)
+        if self.carrier is not None:
+            self._guarded(lambda _: self.carrier.tick(), False)
+        else:
+            self._guarded(self._send_due, False)
         wait = self._next_wait()
         if wait is not None:
             self._arm(max(wait, self.gather))
@@ -267,6 +291,27 @@ class BackgroundFinishes:
         except Exception:  # noqa: BLE001 - a bug here must be seen, and the thread go on
             logger.exception("background finishes: %s failed unexpectedly; retrying", fn.__name__)
             self._stop.wait(FIRST_DELAY)
+
+    # -- the carrier's side (prefork: the acquirer's writes) -----------------------
+
+    def due_alone(self) -> bool:
+        """A finish waits for a write of its own: queued ``gather`` seconds ago (no
+        acquire took it meanwhile), or due again after a write that got no answer."""
+        now = self.clock()
+        return any((p.retry_at or p.since + self.gather) <= now for p in self._queue)
+
+    def take(self, riding: bool) -> list[Pending]:
+        """The finishes due now, for the carrier's next write (``riding``: with acquires)."""
+        batch = self._take(False)
+        if batch:
+            self.writes += 1
+            if riding:
+                self.carried += len(batch)
+        return batch
+
+    def settle(self, batch: list[Pending], answers: Any, sent_at: float) -> None:
+        """The carrier's write of ``batch`` answered: each finish's answer, or the error of all."""
+        self._settle(batch, answers, sent_at)
 
     def _take(self, stopping: bool) -> list[Pending]:
         """The queued finishes whose copy is due (at a stop: all of them), out of the queue."""

@@ -107,12 +107,25 @@ class Receipt:
             if hub is not None and Acquirer.supported(store) else None
         if self.acquirer is not None:
             hub.on_tick.add(self.acquirer.tick)
-        #: The solo pool's finishes nobody waits for, which ride with its acquires (service.py).
+        #: The solo pool's finishes nobody waits for, which ride with its acquires (``carry``).
         self.finishes: BackgroundFinishes | None = None
+        #: Prefork: this process finishes its children's unread successes (``carry``;
+        #: LeasedRequest marks the requests it will finish).
+        self.finish_in_parent = False
         #: Deliveries admitted per task id per minute (in memory: holds when Redis is down).
         self.window = DeliveryWindow(config.deliveries_per_minute)
         #: What happens to a delivery that does not run now: parked, re-queued, refused.
         self.refusal = Refusal(app, config, store, clock)
+
+    def carry(self, finishes: BackgroundFinishes) -> None:
+        """The finishes nobody waits for ride with this process's acquires: in the acquirer's
+        writes (prefork, whose successes this process then finishes: ``lease_parent_finish``),
+        or in the write of the solo pool's waited acquire."""
+        if finishes.carrier is not None and self.acquirer is not None:
+            self.acquirer.finishes = finishes
+            self.finish_in_parent = True
+        else:
+            self.finishes = finishes
 
     def drop_pending(self) -> None:
         """The consumer dropped its requests: acquires still under way must not hold leases.

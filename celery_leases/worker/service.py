@@ -7,7 +7,7 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 - receipt.py: acquire when the worker receives the message (main process);
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
 - background.py: the finishes nobody waits for: sent from a thread on threads, riding
-  with the next acquire on solo;
+  with the next acquire on solo, with the main process's acquires on prefork;
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
 - recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
@@ -71,9 +71,10 @@ class LeaseWorker:
         self.dropped = DroppedRequests(lambda: [h.request for _, h in self.heartbeat.held.snapshot()])
         #: Unread successes' finishes nobody waits for (background.py): sent by a thread where
         #: tasks share this process's threads; on the solo pool, riding with the next acquire.
-        self.finishes = for_pool(self.store, pool, loop) if config.background_finishes else None
+        self.finishes = for_pool(self.store, pool, loop, self.receipt.acquirer) \
+            if config.background_finishes else None
         if self.finishes is not None and self.finishes.hub is not None:
-            self.receipt.finishes = self.finishes
+            self.receipt.carry(self.finishes)
 
     # -- lifecycle --------------------------------------------------------
 
@@ -93,7 +94,7 @@ class LeaseWorker:
         self.revokes.gate()
         if self.finishes is not None:
             self.finishes.start()
-            if self.finishes.hub is not None:
+            if self.finishes.hub is not None and self.finishes.carrier is None:
                 before_each_body(self.pool, self.finishes)
         logger.info("celery-leases: worker %s renews leases every %.1fs (ttl %.1fs)",
                     self.owner, self.config.heartbeat_interval, self.config.ttl)

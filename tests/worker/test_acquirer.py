@@ -6,7 +6,10 @@ it turns readable, which is what these tests do.
 """
 from __future__ import annotations
 
+import os
 import select
+import signal
+import socket
 import time
 import uuid
 from typing import Any
@@ -618,3 +621,115 @@ def test_a_prefork_worker_draining_a_backlog_shares_its_acquire_calls(celery_env
         client.close()
     finally:
         lease_redis.stop()
+
+
+# -- prefork: the finishes nobody waits for ride in the acquirer's writes ---------------------
+
+
+def carrying(store: LeaseStore, hub: Hub, gather: float = 0.002):
+    """An acquirer whose writes carry a loop-driven BackgroundFinishes (as prefork's main
+    process wires them: worker/background.py for_pool)."""
+    from celery_leases.worker.background import BackgroundFinishes
+    acquirer = Acquirer(store, hub)
+    finishes = BackgroundFinishes(store, hub=hub, gather=gather)
+    finishes.carrier = acquirer
+    acquirer.finishes = finishes
+    finishes.start()
+    return acquirer, finishes
+
+
+def held_leases(store: LeaseStore, n: int) -> dict[str, int]:
+    return {t: store.acquire(t, "w1", name="t").token for t in (f"f{i}-{uuid.uuid4()}" for i in range(n))}
+
+
+def queue(finishes, leases: dict[str, int], reports: dict) -> None:
+    for task_id, token in leases.items():
+        assert finishes.add(task_id, "w1", token, "succeeded", 30,
+                            lambda exc, task_id=task_id: reports.__setitem__(task_id, exc))
+
+
+def test_queued_finishes_ride_in_the_next_acquire_write(store):
+    hub, results, reports = Hub(), [], {}
+    acquirer, finishes = carrying(store, hub)
+    store.finish_many([celery_leases.protocol.transitions.FinishRequest("warm", "w1", 0, "succeeded")] * 2)
+    leases = held_leases(store, 3)
+    queue(finishes, leases, reports)
+    task_id = f"next-{uuid.uuid4()}"
+    acquirer.submit(job(results, task_id))
+    # One write: the three finishes' call first, then the acquire; their replies in that order
+    assert acquirer.writes == 1 and finishes.queued == 0
+    while not results:
+        wait_readable(hub)
+    assert finishes.accepted == 3 and finishes.carried == 3 and reports == {}
+    assert {store.get(t).state for t in leases} == {"succeeded"}
+    assert results[0][0] == task_id and results[0][1].code is Code.ACQUIRED
+
+
+def test_finishes_with_no_acquire_to_ride_with_go_alone_after_the_gathering_delay(store):
+    hub, reports = Hub(), {}
+    acquirer, finishes = carrying(store, hub, gather=0.01)
+    leases = held_leases(store, 2)
+    queue(finishes, leases, reports)
+    acquirer.tick()  # (every loop iteration) too soon: they wait for company
+    assert acquirer.writes == 0 and len(hub.timers) == 1
+    time.sleep(0.02)
+    hub.timers[0].fire()
+    assert acquirer.writes == 1
+    wait_readable(hub)
+    assert finishes.accepted == 2 and finishes.carried == 0
+    assert {store.get(t).state for t in leases} == {"succeeded"}
+
+
+def test_a_refused_finish_in_the_write_is_reported_and_the_acquire_stands(store):
+    hub, results, reports = Hub(), [], {}
+    acquirer, finishes = carrying(store, hub)
+    leases = held_leases(store, 2)
+    stale = next(iter(leases))
+    queue(finishes, {**leases, stale: leases[stale] + 100}, reports)
+    acquirer.submit(job(results, f"next-{uuid.uuid4()}"))
+    while not results:
+        wait_readable(hub)
+    assert finishes.accepted == 1 and list(reports) == [stale]
+    assert isinstance(results[0][1], Acquisition) and results[0][1].owned
+    assert store.get(stale).state == "active"
+
+
+def test_finishes_of_a_write_the_connection_lost_are_sent_again(own_server, key_prefix):
+    server = own_server("leases")
+    store = LeaseStore(server.client(socket_timeout=1), prefix=key_prefix, ttl=30)
+    hub, results, reports = Hub(), [], {}
+    acquirer, finishes = carrying(store, hub, gather=0.01)
+    leases = held_leases(store, 2)
+    queue(finishes, leases, reports)
+    # The connection breaks before the replies come (the server frozen meanwhile): the
+    # acquire fails over (tried again by receipt), the finishes go back to the queue with
+    # their backoff
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        acquirer.submit(job(results, f"next-{uuid.uuid4()}"))
+        acquirer._sock.shutdown(socket.SHUT_RDWR)
+        wait_readable(hub)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert isinstance(results[0][1], LeaseUnavailable)
+    assert finishes.queued == 2 and finishes.accepted == 0 and reports == {}
+    # Then the loop sends them again once due (the finish is idempotent for its own copy)
+    def resent() -> bool:
+        for timer in list(hub.timers):
+            timer.fire()
+        return acquirer.writes >= 2
+
+    wait_for(resent, 10, "the finishes sent again")
+    while finishes.accepted < 2:
+        wait_readable(hub)
+    assert {store.get(t).state for t in leases} == {"succeeded"} and reports == {}
+
+
+def test_stop_sends_the_finishes_still_queued(store):
+    hub, reports = Hub(), {}
+    acquirer, finishes = carrying(store, hub, gather=5.0)
+    leases = held_leases(store, 3)
+    queue(finishes, leases, reports)
+    acquirer.stop()
+    finishes.stop()
+    assert finishes.accepted == 3 and {store.get(t).state for t in leases} == {"succeeded"}

@@ -332,7 +332,7 @@ def runs(history, task_id: str) -> list:
     return [h for h in history() if h[0] == "start" and h[1] == task_id]
 
 
-@pytest.mark.parametrize("pool", ["threads", "solo"])
+@pytest.mark.parametrize("pool", ["threads", "solo", "prefork"])
 def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, history, pool):
     worker = start_worker("a", pool=pool, concurrency=4)
     results = [client_app.signature(f"{TASKS}.add_ignored", (i, i)).delay() for i in range(40)]
@@ -349,6 +349,8 @@ def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, h
     assert accepted == 40
     if pool == "solo":  # one finish a write, most riding with the next task's acquire
         assert carried >= 20, (writes, carried)
+    elif pool == "prefork":  # finished by the main process, in the acquirer's writes
+        assert writes < 40, (writes, carried)
     else:  # several finishes a write
         assert writes < 40 and carried == 0
 
@@ -358,6 +360,8 @@ def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, h
     ("threads", 2, "0", 1),   # leases_background_finishes = False: the finish was waited for
     ("solo", 1, "1", 2),      # queued to ride with the next acquire: the task runs again
     ("solo", 1, "0", 1),
+    ("prefork", 1, "1", 2),   # the pool process died before it reported the success
+    ("prefork", 1, "0", 1),
     ("threads", 1, "1", 1),   # a threads pool of one: waited
 ])
 def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker, history, pool,
@@ -379,13 +383,15 @@ def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker,
     assert store.get(result.id).token == int(starts[-1][3]["token"])
 
 
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
 @pytest.mark.parametrize("pill", ["kill_own_child", "plain_kill_once"])
-def test_on_solo_a_pill_after_an_unread_success_charges_it_nothing(client_app, start_worker, history, pill):
-    """The innocent's finish rode with the pill's acquire (a leased pill) or went out before
-    its body (a plain one): when the pill kills the worker, the innocent has already ended
-    succeeded, charged nothing, and it never runs again."""
+def test_a_pill_after_an_unread_success_charges_it_nothing(client_app, start_worker, history, pill, pool):
+    """Solo: the innocent's finish rode with the pill's acquire (a leased pill) or went out
+    before its body (a plain one). Prefork: the main process finishes it, and outlives the
+    pool process the pill kills. Either way the innocent has ended succeeded, charged
+    nothing, and it never runs again."""
     store = celery_leases.store(client_app)
-    start_worker("a", pool="solo", concurrency=1)
+    start_worker("a", pool=pool, concurrency=1, LEASES_TEST_WORKER_RECOVERY="1" if pool == "prefork" else "0")
     innocent = client_app.signature(f"{TASKS}.add_ignored", (1, 2)).delay()
     wait_for(lambda: runs(history, innocent.id), 30, "the innocent ran")
     pill_result = client_app.signature(f"{TASKS}.{pill}").delay()
@@ -393,7 +399,8 @@ def test_on_solo_a_pill_after_an_unread_success_charges_it_nothing(client_app, s
     time.sleep(0.5)  # (the worker is dead: nothing more lands)
     record = store.get(innocent.id)
     assert record.state == "succeeded" and record.recoveries == 0
-    start_worker("b", pool="solo", concurrency=1, LEASES_TEST_WORKER_RECOVERY="1")
+    if pool == "solo":  # (the whole worker died; a prefork worker runs the pill again itself)
+        start_worker("b", pool="solo", concurrency=1, LEASES_TEST_WORKER_RECOVERY="1")
     if pill == "kill_own_child":
         wait_for(lambda: store.get(pill_result.id).state == "succeeded", 30, "the pill's second run")
     time.sleep(3)  # (a ttl and a recovery interval: nothing runs the innocent again)
