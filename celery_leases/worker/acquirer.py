@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ..exceptions import LeaseError, LeaseUnavailable
 from ..protocol import renewals
-from ..protocol.codes import Code
+from ..protocol.replies import is_acquire_many_reply, is_finishes_reply
 from ..protocol.transport.direct import close_connection, open_connection, supported
 from ..protocol.errors import lease_error
 from ..protocol.transport.resp import Incomplete, pack, parse
@@ -253,7 +253,7 @@ class Acquirer:
                     finishing = self._sent[0].finishing
                     if finishing is not None:
                         batch = self._sent[0]
-                        if not _is_finishes_reply(reply, len(finishing)):
+                        if not is_finishes_reply(reply, len(finishing)):
                             raise OutOfStep(f"acquire connection to {self.store.description}: "
                                             f"reply {reply!r} is not the reply to "
                                             f"{len(finishing)} finish(es)")
@@ -262,7 +262,7 @@ class Acquirer:
                         if not batch.jobs:
                             self._sent.popleft()
                         continue
-                    if not _is_many_reply(reply, len(self._sent[0].jobs)):
+                    if not is_acquire_many_reply(reply, len(self._sent[0].jobs)):
                         # Not what acquire_many.lua answers: replies and calls are out
                         # of step, so no reply on this connection can be trusted.
                         raise OutOfStep(f"acquire connection to {self.store.description}: "
@@ -385,48 +385,6 @@ class Acquirer:
 
 class OutOfStep(LeaseError):
     """Raised when a reply on the acquire connection cannot be the next job's (fails every job)."""
-
-
-def _is_many_reply(reply: Any, n: int) -> bool:
-    """True for what acquire_many.lua can return for ``n`` acquires: an error of the
-    whole call, or ``n`` acquire replies and the number of leases marked."""
-    if isinstance(reply, Exception):
-        return True
-    return isinstance(reply, list) and len(reply) == n + 1 and type(reply[-1]) is int and \
-        all(_is_acquire_reply(item) for item in reply[:n])
-
-
-def _is_finishes_reply(reply: Any, n: int) -> bool:
-    """True for what finish.lua (one finish) or finish_many.lua (``n``) can return: an error
-    of the whole call, a finish's {code, token, state} or {CORRUPT, ...}, or ``n`` of those."""
-    if isinstance(reply, Exception):
-        return True
-    if n == 1:
-        return _is_finish_reply(reply)
-    return isinstance(reply, list) and len(reply) == n and all(
-        isinstance(item, Exception) or _is_finish_reply(item) for item in reply)
-
-
-def _is_finish_reply(reply: Any) -> bool:
-    return isinstance(reply, list) and len(reply) in (3, 4) and type(reply[0]) is int
-
-
-def _is_acquire_reply(reply: Any) -> bool:
-    """True for what acquire.lua can return: {code, token, generation, recoveries, state[, isolate]},
-    {CORRUPT, key, field, detail}, or an error."""
-    if isinstance(reply, Exception):
-        return True
-    if not isinstance(reply, list) or not reply or type(reply[0]) is not int:
-        return False
-    if reply[0] == Code.CORRUPT:
-        return len(reply) == 4
-    return (len(reply) in (5, 6) and reply[0] in _ACQUIRE_CODES and all(type(n) is int for n in reply[1:4])
-            and isinstance(reply[4], bytes))
-
-
-#: Codes acquire.lua answers with (its header's Output).
-_ACQUIRE_CODES = frozenset({Code.ACQUIRED, Code.TAKEN_OVER, Code.BUSY, Code.FINISHED, Code.STALE,
-                            Code.DEAD, Code.LOST, Code.NO_MESSAGE})
 
 
 __all__ = ["Acquirer", "Batch", "Job"]

@@ -58,7 +58,6 @@ from ..outage import Outage
 from ..protocol.clock import server_clock
 from ..protocol.settle import FIRST_DELAY, MAX_DELAY
 from ..protocol.store import FinishRequest, LeaseStore
-from .isolation import shares_process
 
 logger = logging.getLogger("celery_leases.worker")
 
@@ -68,49 +67,6 @@ logger = logging.getLogger("celery_leases.worker")
 GATHER = 0.002
 #: Seconds ``stop`` waits for the last write at shutdown before it gives the rest up.
 STOP_TIMEOUT = 5.0
-
-#: The pools whose finishes may go out from a thread (with more than one task at a
-#: time in the process: isolation.shares_process).
-POOLS = frozenset({"celery.concurrency.thread"})
-#: The pool whose finishes ride with its next acquire (with an event loop: loop.py).
-SOLO = "celery.concurrency.solo"
-#: The pool whose main process finishes its children's unread successes, in the writes of
-#: its acquirer (worker/acquirer.py).
-PREFORK = "celery.concurrency.prefork"
-
-
-def for_pool(store: LeaseStore, pool: Any, loop: Any = None, acquirer: Any = None) -> "BackgroundFinishes | None":
-    """The finishes nobody waits for of a worker with ``pool`` (``loop``: its LoopWatch, if
-    it has an event loop; ``acquirer``: its acquires sent without waiting, if any), or None
-    where every finish stays waited for."""
-    module = type(pool).__module__
-    if module in POOLS and shares_process(pool):
-        return BackgroundFinishes(store)
-    if module == SOLO and loop is not None and loop.runs_bodies:
-        return BackgroundFinishes(store, hub=loop.hub)
-    if module == PREFORK and acquirer is not None:
-        finishes = BackgroundFinishes(store, hub=acquirer.hub)
-        finishes.carrier = acquirer
-        return finishes
-    return None
-
-
-def before_each_body(pool: Any, finishes: "BackgroundFinishes") -> None:
-    """On the solo pool, no body (leased or plain, an ETA's too) starts while a finish queued
-    before it is on its way: what the acquire did not carry goes out first. The pool's
-    ``on_apply`` is where every job starts (Celery's BasePool.apply_async calls it)."""
-    apply = pool.on_apply
-
-    def on_apply(*args: Any, **kwargs: Any) -> Any:
-        if finishes.queued:
-            try:
-                finishes.flush()
-            except Exception:  # noqa: BLE001 - a bug: its finishes were withheld (reported)
-                logger.exception("background finishes: the flush before a body failed unexpectedly")
-        return apply(*args, **kwargs)
-
-    pool.on_apply = on_apply
-
 
 class Pending:
     """One queued finish: the request (with its not-after), when a copy settles it for good

@@ -6,8 +6,9 @@ decides *when* to call them. ``LeaseWorker`` is built by ``LeaseStep``
 
 - receipt.py: acquire when the worker receives the message (main process);
 - heartbeat.py: renew every held lease from one thread (started by ``HeartbeatStep``);
-- background.py: the finishes nobody waits for: sent from a thread on threads, riding
-  with the next acquire on solo, with the main process's acquires on prefork;
+- background.py, finishing.py: the finishes nobody waits for, and which pool sends
+  them how (a thread on threads, the next acquire on solo, the main process's
+  acquires on prefork);
 - lost.py: a held lease whose record went missing, or that was lost;
 - revokes.py: every Celery revoke reaches the lease;
 - recovery/fallback.py: recovery passes without beat (started by ``RecoveryStep``);
@@ -33,7 +34,7 @@ from ..config import LeaseConfig
 from ..exceptions import LeaseError
 from ..runtime import get_store
 from ..protocol.scripts import scripts
-from .background import before_each_body, for_pool
+from .finishing import before_each_body, for_pool
 from .heartbeat import Heartbeat
 from .isolation import Isolation
 from .lost import LostLeases

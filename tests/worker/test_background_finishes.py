@@ -26,7 +26,8 @@ from celery_leases import LeaseStore
 from celery_leases.exceptions import LeaseError, LeaseLost, LeaseUnavailable
 from celery_leases.protocol.transitions import AcquireRequest, FinishRequest
 from celery_leases.testing import wait_for
-from celery_leases.worker.background import BackgroundFinishes, before_each_body
+from celery_leases.worker.background import BackgroundFinishes
+from celery_leases.worker.finishing import before_each_body
 
 pytestmark = pytest.mark.slow
 
