@@ -29,8 +29,9 @@ def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
         for kind in ("plain", "leased", "leased, untracked"):
             assert prefork[case][kind]["per_s"] > 0
     # Counted by the lease store's own server, not timed: a tracked publish records the task
-    # (one call); the worker finishes (one per task) and acquires (at most one call per task:
-    # several share one when they arrive together), plus start marks the heartbeat sends (only
+    # (one call); the worker acquires and finishes (at most one call each per task: several
+    # share one when they come together, and prefork's main process carries the finishes of
+    # unread successes in its acquires' writes), plus start marks the heartbeat sends (only
     # for tasks still running 25 ms after they started, at most one call per
     # START_MARK_DELAY): those scale with the seconds the drain took, which a loaded host
     # stretches, never with the number of tasks.
@@ -41,7 +42,7 @@ def test_overhead_benchmark_quick_run_prints_its_table(redis_server_url: str, tm
     for kind in ("leased", "leased, untracked"):
         for run in drain["rounds"][kind]:
             periodic = run["window_s"] / START_MARK_DELAY + 1
-            assert 1.0 <= run["worker_lease_calls"], run
+            assert 0 < run["worker_lease_calls"], run
             assert run["worker_lease_calls"] * n <= 2 * n + periodic, run
     assert drain["plain"]["lease_calls"] == 0.0
     assert [row["leases"] for row in data["heartbeat"]] == [1, 10, 100]
