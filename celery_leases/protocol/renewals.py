@@ -178,6 +178,8 @@ def acquire_with_finishes(core: StoreCore, req: AcquireRequest, finishes: Sequen
         answers = finishes_reply(core, finishes, one, raw_finish, what)
     except LeaseError as exc:
         answers = exc
+    except Exception as exc:  # noqa: BLE001 - an answer we cannot read: the caller asks again
+        answers = LeaseError(f"{what}: unreadable finishes' reply {raw_finish!r}: {exc!r}")
     return acq, answers
 
 

@@ -305,6 +305,8 @@ class Acquirer:
                                                    batch.finish_call, reply, what)
         except LeaseError as exc:
             answers = exc
+        except Exception as exc:  # noqa: BLE001 - an answer we cannot read: each is asked again
+            answers = LeaseError(f"{what}: unreadable reply {reply!r}: {exc!r}")
         try:
             self.finishes.settle(finishing, answers, batch.sent_at)
         except Exception:  # noqa: BLE001 - one settle's failure must not stop the replies

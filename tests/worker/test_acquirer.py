@@ -733,3 +733,21 @@ def test_stop_sends_the_finishes_still_queued(store):
     acquirer.stop()
     finishes.stop()
     assert finishes.accepted == 3 and {store.get(t).state for t in leases} == {"succeeded"}
+
+
+def test_a_finishes_reply_that_cannot_be_read_leaves_no_finish_unsettled(store, monkeypatch):
+    """(A bug reading the reply: each finish is asked again alone, and answers OK to its own
+    copy; none is dropped unreported.)"""
+    hub, results, reports = Hub(), [], {}
+    acquirer, finishes = carrying(store, hub)
+    leases = held_leases(store, 2)
+    queue(finishes, leases, reports)
+    from celery_leases.worker import acquirer as module
+    monkeypatch.setattr(module.renewals, "finishes_reply",
+                        lambda *args: (_ for _ in ()).throw(ValueError("unexpected shape")))
+    acquirer.submit(job(results, f"next-{uuid.uuid4()}"))
+    while not results:
+        wait_readable(hub)
+    assert results[0][1].owned
+    assert finishes.accepted == 2 and finishes.queued == 0 and reports == {}
+    assert {store.get(t).state for t in leases} == {"succeeded"}
