@@ -361,7 +361,7 @@ def test_unread_successes_run_once_and_end_succeeded(client_app, start_worker, h
 
 
 @pytest.mark.parametrize("pool, concurrency, background, runs_expected", [
-    ("threads", 2, "1", 2),   # the finish was on its way: the task runs again
+    ("threads", 2, "1", None),  # the finish may be on its way: it runs again, or it landed
     ("threads", 2, "0", 1),   # leases_background_finishes = False: the finish was waited for
     ("solo", 1, "1", 2),      # queued to ride with the next acquire: the task runs again
     ("solo", 1, "0", 1),
@@ -381,10 +381,15 @@ def test_a_worker_killed_right_after_an_unread_success(client_app, start_worker,
     start_worker("b", pool="threads", concurrency=2, LEASES_TEST_WORKER_RECOVERY="1",
                  LEASES_TEST_BACKGROUND=background)
     wait_for(lambda: store.get(result.id).state == "succeeded", 30, "the task succeeded")
-    if runs_expected == 1:
+    if runs_expected != 2:
         time.sleep(3)  # (a ttl and a recovery interval: nothing runs it again)
     starts = runs(history, result.id)
-    assert len(starts) == runs_expected, starts
+    if runs_expected is None:
+        # The finishing thread races the kill (it sends 2 ms after the body): either the
+        # finish landed and nothing runs again, or it did not and the task ran again.
+        assert len(starts) in (1, 2), starts
+    else:
+        assert len(starts) == runs_expected, starts
     assert store.get(result.id).token == int(starts[-1][3]["token"])
 
 
